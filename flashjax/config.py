@@ -1,0 +1,112 @@
+"""Kernel configuration: tile sizes, warps and pipeline stages.
+
+A `Config` holds one `KernelConfig` per kernel (forward, dK/dV, dQ). It is a
+frozen dataclass so that it can be a static argument of `jax.jit` and a key of
+the compilation cache. `Config.default(head_dim, dtype)` returns the tuned
+defaults; pass your own to `flash_attention(..., config=...)` to override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["Config", "KernelConfig"]
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiling of one kernel.
+
+    Attributes:
+      block_q: rows of the query tile (a power of two >= 16).
+      block_k: rows of the key/value tile (a power of two >= 16).
+      num_warps: warps per program (Triton).
+      num_stages: software-pipelining depth of the key/value (or query) loop.
+    """
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not (_is_power_of_two(value) and value >= 16):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}.")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(f"KernelConfig.num_warps must be a power of two, got {self.num_warps}.")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}.")
+
+    def fit(self, seq_q: int, seq_k: int) -> "KernelConfig":
+        """Shrinks the tiles for short sequences (never below 16, Triton's smallest dot)."""
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, max(16, _next_power_of_two(seq_q))),
+            block_k=min(self.block_k, max(16, _next_power_of_two(seq_k))),
+        )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# Tuned on an H100 80GB HBM3 with bf16 inputs (benchmarks/tune.py). The forward keeps a
+# large query tile on chip (FlashAttention-2); the dK/dV kernel keeps a key tile and walks
+# small query tiles, the dQ kernel the reverse, which keeps their register footprint small.
+_TUNED: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
+    16: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    32: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    64: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    128: (KernelConfig(128, 64, 8, 3), KernelConfig(64, 128, 8, 2), KernelConfig(128, 64, 8, 2)),
+    256: (KernelConfig(64, 32, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiling of the three kernels of flash attention.
+
+    Attributes:
+      fwd: the forward kernel (one program per query tile, loop over key tiles).
+      dkv: the dK/dV kernel (one program per key tile, loop over query tiles).
+      dq: the dQ kernel (one program per query tile, loop over key tiles).
+    """
+
+    fwd: KernelConfig
+    dkv: KernelConfig
+    dq: KernelConfig
+
+    @classmethod
+    def default(cls, head_dim: int, dtype=np.float32) -> "Config":
+        """The tuned configuration for a (padded) head dimension and input dtype."""
+        padded = max(16, _next_power_of_two(head_dim))
+        if padded not in _TUNED:
+            raise ValueError(f"No kernel configuration for head_dim={head_dim} (padded to {padded}); at most 256 is supported.")
+        fwd, dkv, dq = _TUNED[padded]
+        if np.dtype(dtype) == np.float32 and padded >= 128:
+            # float32 tiles take twice the registers and shared memory of bf16 ones.
+            halve = lambda c: dataclasses.replace(c, block_q=max(16, c.block_q // 2), block_k=max(16, c.block_k // 2))
+            fwd, dkv, dq = halve(fwd), halve(dkv), halve(dq)
+        return cls(fwd=fwd, dkv=dkv, dq=dq)
+
+    def fit(self, seq_q: int, seq_k: int) -> "Config":
+        """Shrinks every kernel's tiles for short sequences."""
+        return Config(self.fwd.fit(seq_q, seq_k), self.dkv.fit(seq_q, seq_k), self.dq.fit(seq_q, seq_k))
+
+    @property
+    def q_multiple(self) -> int:
+        """Query lengths are padded to a multiple of this (every kernel's query tile divides it)."""
+        return max(self.fwd.block_q, self.dkv.block_q, self.dq.block_q)
+
+    @property
+    def k_multiple(self) -> int:
+        """Key lengths are padded to a multiple of this."""
+        return max(self.fwd.block_k, self.dkv.block_k, self.dq.block_k)
