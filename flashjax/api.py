@@ -9,9 +9,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from flashjax import autodiff, reference
+from flashjax import autodiff, dropout, reference
 from flashjax.config import Config
-from flashjax.params import AttentionParams
+from flashjax.params import AttentionParams, Extras
 
 __all__ = ["flash_attention", "BACKENDS"]
 
@@ -38,8 +38,10 @@ def flash_attention(
     kv_lengths=None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    alibi_slopes=None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    broadcast_dropout: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
     config: Config | None = None,
@@ -67,11 +69,29 @@ def flash_attention(
         FlashAttention-2: the last query sees every key, so a decode step against
         a KV cache sees the whole cache. Query rows that see no key output 0.
       scale: logit scale; defaults to ``1 / sqrt(head_dim)``.
-      bias, mask, segment_ids, q_lengths, kv_lengths, window, softcap,
-      dropout_rate, dropout_rng: attention variants (see the README's feature
-        table). ``window=(left, right)`` is a sliding window around the aligned
-        diagonal (``None`` for an unbounded side) and runs in the kernels; the
-        others currently run on the ``"xla"`` backend only.
+      bias: additive float bias broadcastable to ``[batch, heads, q_len, kv_len]``,
+        read tile by tile (never expanded); added after the softcap. Differentiable:
+        its gradient is reduced over the axes it broadcasts along.
+      mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]``; True = attend
+        (the convention of ``jax.nn.dot_product_attention`` and Flax).
+      segment_ids: int ``[batch, seq]`` (self-attention) or a pair
+        ``([batch, q_len], [batch, kv_len])``: a query attends only keys of its own
+        segment (packed sequences). Tiles that share no segment are skipped.
+      q_lengths, kv_lengths: int ``[batch]``, right padding: keys at or past
+        ``kv_lengths`` get no weight; query rows at or past ``q_lengths`` output 0
+        (and get 0 gradient). Tiles past a length are not loaded.
+      window: ``(left, right)`` sliding window: query ``i`` attends keys ``j`` with
+        ``i' - left <= j <= i' + right``, ``i' = i + kv_len - q_len``; ``None`` for an
+        unbounded side; combine with ``causal=True`` for ``right = 0``. Tiles
+        outside the band are skipped, so the cost is linear in the length.
+      softcap: if set, ``logits = softcap * tanh(logits / softcap)`` (Gemma-2 style).
+      alibi_slopes: float ``[heads]``: ALiBi, adds ``-slope * |i' - j|`` to the
+        logits, computed in the kernel (no bias array). Not differentiated.
+      dropout_rate, dropout_rng: dropout on the attention probabilities, drawn in
+        the kernel from a counter-based hash of (seed, batch, head, row, column), so
+        the backward regenerates the same mask and nothing N x N is stored.
+      broadcast_dropout: one dropout mask shared by every batch row and head
+        (Flax's ``broadcast_dropout=True``).
       return_lse: also return the row logsumexp ``[batch, heads, q_len]``
         (float32, natural log, ``-inf`` for rows that see no key).
       backend: ``"auto"`` (the Pallas kernels on a CUDA GPU; elsewhere interpret
@@ -90,22 +110,30 @@ def flash_attention(
       NotImplementedError: when a backend forced by name lacks a requested feature.
     """
     _check_arrays(q, k, v)
-    head_dim = q.shape[-1]
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k = k.shape[1]
     scale = _check_scale(scale, head_dim)
     window = _check_window(window)
     _check_options(causal, softcap, dropout_rate, dropout_rng, backend, config)
-    variants = {
-        "bias": bias, "mask": mask, "segment_ids": segment_ids, "q_lengths": q_lengths,
-        "kv_lengths": kv_lengths, "softcap": softcap, "dropout_rate": dropout_rate or None,
-    }
-    kernel_unsupported = sorted(name for name, value in variants.items() if value is not None)
+    shape = (batch, heads, seq_q, seq_k)
+    q_segments, kv_segments = _check_segments(segment_ids, batch, seq_q, seq_k)
+    extras = Extras(
+        bias=_check_pair_array("bias", bias, shape, floating=True),
+        mask=_check_pair_array("mask", mask, shape, floating=False),
+        q_segment_ids=q_segments,
+        kv_segment_ids=kv_segments,
+        q_lengths=_check_lengths("q_lengths", q_lengths, batch),
+        kv_lengths=_check_lengths("kv_lengths", kv_lengths, batch),
+        alibi_slopes=_check_slopes(alibi_slopes, heads),
+        dropout_seed=dropout.seed_words(dropout_rng) if dropout_rate > 0.0 else None,
+    )
 
-    chosen = _choose_backend(backend, q, k, kernel_unsupported)
-    if chosen == "xla":
+    if _choose_backend(backend, q, k) == "xla":
         out = reference.attention(
             q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, softcap=softcap,
-            dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse,
+            alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout, return_lse=return_lse,
         )
         if return_lse:
             return out[0].astype(q.dtype), out[1]
@@ -115,17 +143,20 @@ def flash_attention(
         scale=scale,
         causal=bool(causal),
         window=window,
+        softcap=None if softcap is None else float(softcap),
+        dropout_rate=float(dropout_rate),
+        broadcast_dropout=bool(broadcast_dropout),
         config=config if config is not None else Config.default(head_dim, q.dtype),
         backend="triton",
         interpret=_platform() != "gpu",
     )
-    out, lse = _kernel_attention(q, k, v, params)
+    out, lse = _kernel_attention(q, k, v, extras, params)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _kernel_attention(q, k, v, params):
-    return autodiff.attention(q, k, v, params)
+@functools.partial(jax.jit, static_argnums=4)
+def _kernel_attention(q, k, v, extras, params):
+    return autodiff.attention(q, k, v, extras, params)
 
 
 # ---- backend choice -------------------------------------------------------------------
@@ -133,24 +164,14 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def _choose_backend(backend: str, q, k, kernel_unsupported: list[str]) -> str:
+def _choose_backend(backend: str, q, k) -> str:
     if backend == "xla":
         return "xla"
     if backend == "mosaic":
         raise NotImplementedError(
             "backend='mosaic' (Hopper wgmma/TMA kernels) is not available yet; use backend='triton' or 'auto'."
         )
-    if backend == "triton":
-        if kernel_unsupported:
-            raise NotImplementedError(
-                f"backend='triton' does not support {', '.join(kernel_unsupported)} yet; "
-                "use backend='xla' or backend='auto' (which falls back to it)."
-            )
-        return "triton"
-    # auto
-    if kernel_unsupported:
-        return "xla"
-    if _platform() == "gpu":
+    if backend == "triton" or _platform() == "gpu":
         return "triton"
     batch, seq_q, heads, _ = q.shape
     return "triton" if batch * heads * seq_q * k.shape[1] <= INTERPRET_LIMIT else "xla"
@@ -237,3 +258,61 @@ def _check_options(causal, softcap, dropout_rate, dropout_rng, backend, config):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
     if config is not None and not isinstance(config, Config):
         raise ValueError(f"config must be a flashjax.Config or None, got {type(config).__name__}.")
+
+
+def _check_pair_array(name: str, x, shape: tuple[int, ...], *, floating: bool):
+    """A bias or mask: broadcastable to [B, H, Tq, Tk]; returned 4-D with size-1 broadcast axes."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an array broadcastable to {shape}, got {type(x).__name__}.")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims [batch, heads, q_len, kv_len], got shape {tuple(x.shape)}.")
+    full = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if any(d not in (1, s) for d, s in zip(full, shape)):
+        raise ValueError(f"{name} of shape {tuple(x.shape)} is not broadcastable to [batch, heads, q_len, kv_len] = {shape}.")
+    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}.")
+    if not floating and x.dtype != jnp.bool_:
+        raise ValueError(f"{name} must be a boolean array (True = attend), got dtype {x.dtype}.")
+    return x.reshape(full)
+
+
+def _check_segments(segment_ids, batch: int, seq_q: int, seq_k: int):
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be an array [batch, seq] or a pair (q_segment_ids, kv_segment_ids).")
+        q_ids, kv_ids = segment_ids
+    else:
+        if seq_q != seq_k:
+            raise ValueError(
+                f"segment_ids as one array needs q_len == kv_len (got {seq_q} and {seq_k}); "
+                "pass a pair (q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])."
+            )
+        q_ids = kv_ids = segment_ids
+    for name, ids, length in (("q segment_ids", q_ids, seq_q), ("kv segment_ids", kv_ids, seq_k)):
+        if not hasattr(ids, "shape") or tuple(ids.shape) != (batch, length):
+            raise ValueError(f"{name} must have shape {(batch, length)}, got {getattr(ids, 'shape', type(ids).__name__)}.")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def _check_lengths(name: str, lengths, batch: int):
+    if lengths is None:
+        return None
+    if not hasattr(lengths, "shape") or tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) [batch], got {getattr(lengths, 'shape', type(lengths).__name__)}.")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers, got dtype {lengths.dtype}.")
+    return lengths.astype(jnp.int32)
+
+
+def _check_slopes(slopes, heads: int):
+    if slopes is None:
+        return None
+    if not hasattr(slopes, "shape") or tuple(slopes.shape) != (heads,):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) [heads], got {getattr(slopes, 'shape', type(slopes).__name__)}.")
+    return jax.lax.stop_gradient(slopes.astype(jnp.float32))

@@ -135,3 +135,102 @@ def _ordered(lo, full_lo, full_hi, hi) -> BlockRange:
     full_lo = jnp.clip(full_lo, lo, hi)
     full_hi = jnp.clip(full_hi, full_lo, hi)
     return BlockRange(lo, full_lo, full_hi, hi)
+
+
+# ---- data-dependent ranges (lengths, segments), computed once per call in XLA ----------
+RANGE_FIELDS = 8  # lo, full_lo, full_hi, hi, q_length, kv_length, unused, unused
+
+
+def _block_extent(ids, block: int):
+    """Per-block min and max of segment ids [B, T] (T a multiple of block) -> [B, T // block] x 2."""
+    tiles = ids.reshape(ids.shape[0], -1, block)
+    return tiles.min(axis=2), tiles.max(axis=2)
+
+
+def _hull(flags, n: int):
+    """First and one-past-last True along the last axis (n, 0 when none)."""
+    idx = jnp.arange(flags.shape[-1], dtype=jnp.int32)
+    first = jnp.min(jnp.where(flags, idx, n), axis=-1)
+    last = jnp.max(jnp.where(flags, idx + 1, 0), axis=-1)
+    return first, last
+
+
+def dynamic_ranges(
+    *,
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    block_q: int,
+    block_k: int,
+    padded_q: int,
+    padded_k: int,
+    q_lengths=None,
+    kv_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    dense_mask: bool = False,
+    by_key_block: bool = False,
+):
+    """Tile ranges implied by lengths and segment ids, as int32 [B, n_blocks, RANGE_FIELDS].
+
+    For each query tile (or, with `by_key_block`, each key tile) gives the range
+    [lo, hi) of tiles of the other operand that can hold a visible pair, and
+    [full_lo, full_hi) of those that are visible everywhere (as far as lengths and
+    segments go; the kernel intersects this with the causal/window ranges). With
+    packed documents (sorted segment ids) a tile meets only its own document's tiles,
+    so a row of four documents costs about a quarter of the full row. Segment ids
+    need not be sorted: the range is then the hull of the tiles that may match.
+
+    Also carries each row's q and kv lengths for the kernels' elementwise masks.
+    Segment ids must already be padded to `padded_q` / `padded_k` (by repeating the
+    last id, which keeps the extents tight).
+    """
+    nq, nk = padded_q // block_q, padded_k // block_k
+    q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else jnp.minimum(q_lengths.astype(jnp.int32), seq_q)
+    kv_len = jnp.full((batch,), seq_k, jnp.int32) if kv_lengths is None else jnp.minimum(kv_lengths.astype(jnp.int32), seq_k)
+    q_tile = jnp.arange(nq, dtype=jnp.int32)[None, :]  # [1, nq]
+    k_tile = jnp.arange(nk, dtype=jnp.int32)[None, :]
+    q_visible_rows = (q_tile * block_q < q_len[:, None])  # tile holds a real query row
+    k_tiles_in = -(-kv_len // block_k)  # [B]
+    k_full_tiles = kv_len // block_k
+    if q_segment_ids is not None:
+        q_min, q_max = _block_extent(q_segment_ids, block_q)
+        k_min, k_max = _block_extent(kv_segment_ids, block_k)
+        # [B, nq, nk]: block-level, never element-level (T / block per side).
+        meets = (k_max[:, None, :] >= q_min[:, :, None]) & (k_min[:, None, :] <= q_max[:, :, None])
+        same = (q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :] & (k_min[:, None, :] == q_min[:, :, None])
+    else:
+        meets = jnp.ones((batch, nq, nk), bool)
+        same = meets
+    # Lengths: tiles wholly past a length meet nothing; a tile straddling it is a boundary tile.
+    meets = meets & q_visible_rows[:, :, None] & (k_tile[:, None, :] < k_tiles_in[:, None, None])
+    same = same & (k_tile[:, None, :] < k_full_tiles[:, None, None])
+    if dense_mask:
+        same = jnp.zeros_like(same)
+    if by_key_block:
+        meets, same = jnp.swapaxes(meets, 1, 2), jnp.swapaxes(same, 1, 2)
+    n_other = meets.shape[-1]
+    lo, hi = _hull(meets, n_other)
+    full_lo, full_hi = _hull(same & meets, n_other)
+    # The fully visible tiles must be contiguous to be looped over without a mask.
+    contiguous = jnp.sum(same & meets, axis=-1) == (full_hi - full_lo)
+    full_hi = jnp.where(contiguous & (full_hi > full_lo), full_hi, full_lo)
+    empty = hi <= lo
+    lo = jnp.where(empty, 0, lo)
+    hi = jnp.where(empty, 0, hi)
+    n_blocks = lo.shape[-1]
+    lengths = jnp.broadcast_to(jnp.stack([q_len, kv_len], -1)[:, None, :], (batch, n_blocks, 2))
+    fields = [lo, full_lo, full_hi, hi]
+    out = jnp.concatenate([jnp.stack(fields, -1).astype(jnp.int32), lengths, jnp.zeros((batch, n_blocks, 2), jnp.int32)], -1)
+    return out
+
+
+def intersect(structural: BlockRange, ranges_ref) -> BlockRange:
+    """Intersects a structural range with a row of `dynamic_ranges` (a ref of RANGE_FIELDS)."""
+    lo, full_lo, full_hi, hi = structural
+    return _ordered(
+        jnp.maximum(lo, ranges_ref[0]),
+        jnp.maximum(full_lo, ranges_ref[1]),
+        jnp.minimum(full_hi, ranges_ref[2]),
+        jnp.minimum(hi, ranges_ref[3]),
+    )

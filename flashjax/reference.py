@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashjax import masks
+from flashjax import dropout, masks
 
 __all__ = ["attention", "logits_mask"]
 
@@ -60,8 +60,10 @@ def attention(
     kv_lengths=None,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
+    alibi_slopes=None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    broadcast_dropout: bool = False,
     return_lse: bool = False,
 ):
     """Reference attention, computed in float32.
@@ -78,7 +80,10 @@ def attention(
       q_lengths, kv_lengths: int [B]; positions at or past them are padding.
       window: (left, right) sliding window around the (aligned) diagonal; None = unbounded side.
       softcap: if set, logits = softcap * tanh(logits / softcap).
-      dropout_rate, dropout_rng: dropout on the attention probabilities.
+      alibi_slopes: float [H]; adds -slope * |i + Tk - Tq - j| to the logits.
+      dropout_rate, dropout_rng: dropout on the attention probabilities, with the
+        keep mask of `flashjax.dropout` (the same bits the kernels draw).
+      broadcast_dropout: one dropout mask for all batch rows and heads.
       return_lse: also return the row logsumexp [B, H, Tq] (natural log; -inf for empty rows).
 
     Returns:
@@ -100,6 +105,9 @@ def attention(
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
+    if alibi_slopes is not None:
+        distance = jnp.abs(jnp.arange(seq_q)[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
+        logits = logits - alibi_slopes.astype(jnp.float32)[None, :, None, None] * distance
     allowed = logits_mask(
         batch, seq_q, seq_k, causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
@@ -107,14 +115,14 @@ def attention(
     allowed = jnp.broadcast_to(allowed, logits.shape)
     logits = jnp.where(allowed, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # empty rows: avoid inf - inf
-    unnormalised = jnp.exp(logits - jax.lax.stop_gradient(row_max))
+    # The shift cancels out of softmax and lse, so it carries no gradient; empty rows
+    # (max = -inf) shift by 0 to avoid inf - inf.
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    unnormalised = jnp.exp(logits - row_max)
     denom = jnp.sum(unnormalised, axis=-1, keepdims=True)
     probs = unnormalised / jnp.where(denom == 0.0, 1.0, denom)
     if dropout_rate > 0.0:
-        from flashjax import dropout  # local import: only the dropout path needs it
-
-        keep = dropout.keep_mask(dropout_rng, dropout_rate, batch, heads, seq_q, seq_k)
+        keep = dropout.keep_mask(dropout_rng, dropout_rate, batch, heads, seq_q, seq_k, broadcast=broadcast_dropout)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd", probs.reshape(batch, kv_heads, group, seq_q, seq_k), vf, precision=hp

@@ -9,14 +9,33 @@ and dropped; in the backward their logsumexp is +inf, so they contribute nothing
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 
+from flashjax import masks
+from flashjax.config import Config
 from flashjax.kernels import common, triton_bwd, triton_fwd
-from flashjax.params import AttentionParams
+from flashjax.kernels.common import Scorer, TileInputs
+from flashjax.params import AttentionParams, Extras
 
 
-def _padded_head_dim(head_dim: int) -> int:
-    return max(16, 1 << (head_dim - 1).bit_length())
+class _Layout(NamedTuple):
+    config: Config
+    q_len: int  # padded lengths
+    k_len: int
+    head_dim: int  # padded head dim
+
+
+def _layout(q, k, params: AttentionParams) -> _Layout:
+    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    config = params.config.fit(seq_q, seq_k)
+    return _Layout(
+        config,
+        common.round_up(seq_q, config.q_multiple),
+        common.round_up(seq_k, config.k_multiple),
+        max(16, 1 << (head_dim - 1).bit_length()),
+    )
 
 
 def _pad(x, length: int, head_dim: int):
@@ -27,40 +46,81 @@ def _pad(x, length: int, head_dim: int):
     return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
 
 
-def _pad_rows(x, length: int, value: float):
-    """Pads per-row statistics [B, H, T] along T."""
-    if x.shape[2] == length:
+def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0):
+    if x.shape[axis] in (1, length):
         return x
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2])), constant_values=value)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
 
 
-def _layout(q, k, params: AttentionParams):
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    config = params.config.fit(seq_q, seq_k)
-    return (
-        config,
-        common.round_up(seq_q, config.q_multiple),
-        common.round_up(seq_k, config.k_multiple),
-        _padded_head_dim(head_dim),
+def _scorer(params: AttentionParams, seq_q: int, seq_k: int) -> Scorer:
+    return Scorer(
+        spec=params.mask_spec(seq_q, seq_k), scale=params.scale, softcap=params.softcap,
+        dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
     )
 
 
-def forward(q, k, v, params: AttentionParams):
+def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: int, *, by_key_block: bool) -> TileInputs:
+    """Pads the optional inputs to the tiles and derives the per-tile ranges."""
+    batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
+    q_seg = kv_seg = None
+    if extras.q_segment_ids is not None:
+        # Repeating the last id keeps each padded tile's id extent tight.
+        q_seg = _pad_axis(extras.q_segment_ids.astype(jnp.int32), 1, layout.q_len, mode="edge")
+        kv_seg = _pad_axis(extras.kv_segment_ids.astype(jnp.int32), 1, layout.k_len, mode="edge")
+    ranges = None
+    if any(a is not None for a in (q_seg, extras.q_lengths, extras.kv_lengths, extras.mask)):
+        ranges = masks.dynamic_ranges(
+            batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k,
+            padded_q=layout.q_len, padded_k=layout.k_len,
+            q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+            dense_mask=extras.mask is not None, by_key_block=by_key_block,
+        )
+
+    def pad_pair(a, value):
+        if a is None:
+            return None
+        a = _pad_axis(a, 2, layout.q_len, value=value)
+        return _pad_axis(a, 3, layout.k_len, value=value)
+
+    return TileInputs(
+        ranges=ranges,
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+        # Triton has no boolean memory type worth loading: int8, 0 = masked.
+        mask=pad_pair(None if extras.mask is None else extras.mask.astype(jnp.int8), 0),
+        bias=pad_pair(extras.bias, 0),
+        slopes=None if extras.alibi_slopes is None else extras.alibi_slopes.astype(jnp.float32),
+        seed=extras.dropout_seed,
+    )
+
+
+def forward(q, k, v, extras: Extras, params: AttentionParams):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for empty rows)."""
     seq_q, head_dim = q.shape[1], q.shape[3]
-    config, q_len, k_len, d_pad = _layout(q, k, params)
+    layout = _layout(q, k, params)
+    fwd = layout.config.fwd
     o, lse2 = triton_fwd.forward(
-        _pad(q, q_len, d_pad), _pad(k, k_len, d_pad), _pad(v, k_len, d_pad),
-        spec=params.mask_spec(seq_q, k.shape[1]), scale=params.scale,
-        config=config.fwd, interpret=params.interpret,
+        _pad(q, layout.q_len, layout.head_dim), _pad(k, layout.k_len, layout.head_dim),
+        _pad(v, layout.k_len, layout.head_dim),
+        _tile_inputs(extras, q, k, layout, fwd.block_q, fwd.block_k, by_key_block=False),
+        scorer=_scorer(params, seq_q, k.shape[1]), config=fwd, interpret=params.interpret,
     )
     return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
 
 
-def backward(q, k, v, o, lse, do, dlse, params: AttentionParams):
-    """Returns dq, dk, dv given the forward's o and lse and the cotangents of both."""
+def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams):
+    """Returns (dq, dk, dv, dbias) given the forward's o and lse and the cotangents of both.
+
+    dbias is None without a bias; otherwise float32 in the bias's (broadcast) shape.
+    """
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    config, q_len, k_len, d_pad = _layout(q, k, params)
+    layout = _layout(q, k, params)
+    config = layout.config
     # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
     # path (d lse / d S = P) to dS = P * (dP - delta) for free.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -68,10 +128,21 @@ def backward(q, k, v, o, lse, do, dlse, params: AttentionParams):
         delta = delta - dlse
     # Empty rows (lse = -inf) and padded rows get +inf so that P = exp2(S - lse2) = 0.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E)
-    dq, dk, dv = triton_bwd.backward(
-        _pad(q, q_len, d_pad), _pad(k, k_len, d_pad), _pad(v, k_len, d_pad), _pad(do, q_len, d_pad),
-        _pad_rows(lse2, q_len, jnp.inf), _pad_rows(delta, q_len, 0.0),
-        spec=params.mask_spec(seq_q, seq_k), scale=params.scale,
-        dkv_config=config.dkv, dq_config=config.dq, interpret=params.interpret,
+    lse2 = _pad_axis(lse2, 2, layout.q_len, value=jnp.inf)
+    delta = _pad_axis(delta, 2, layout.q_len, value=0.0)
+    padded = (
+        _pad(q, layout.q_len, layout.head_dim), _pad(k, layout.k_len, layout.head_dim),
+        _pad(v, layout.k_len, layout.head_dim), _pad(do, layout.q_len, layout.head_dim),
     )
-    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim]
+    scorer = _scorer(params, seq_q, seq_k)
+    x_dq = _tile_inputs(extras, q, k, layout, config.dq.block_q, config.dq.block_k, by_key_block=False)
+    dq, dk, dv = triton_bwd.backward(
+        *padded, lse2, delta,
+        _tile_inputs(extras, q, k, layout, config.dkv.block_q, config.dkv.block_k, by_key_block=True), x_dq,
+        scorer=scorer, dkv_config=config.dkv, dq_config=config.dq, interpret=params.interpret,
+    )
+    dbias = None
+    if extras.bias is not None:
+        dbias = triton_bwd.bias_grad(*padded, lse2, delta, x_dq, scorer=scorer, config=config.dq, interpret=params.interpret)
+        dbias = dbias[:, :, : extras.bias.shape[2], : extras.bias.shape[3]]
+    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], dbias

@@ -1,14 +1,16 @@
 """Backward kernels (Pallas, lowered through Triton): recompute P, never store it.
 
-Two kernels, both deterministic (no atomics):
+Three kernels, all deterministic (no atomics):
 
 * dK/dV: one program per (key tile, batch, kv_head). It keeps its K, V tile and
   the dK, dV accumulators on chip and walks every query tile of every query head
   in its group, recomputing `P = exp2(S - lse)`; the sum over the group happens
   in registers, so GQA never materialises repeated K/V or per-head dK/dV.
 * dQ: one program per (query tile, batch, head), walking key tiles like the forward.
+* dBias (only when a bias is given and its gradient is used): one program per
+  tile of the bias, summing dS over the axes the bias broadcasts along.
 
-Both take `delta = rowsum(dO * O) - dlse` (float32), computed beforehand; the
+All take `delta = rowsum(dO * O) - dlse` (float32), computed beforehand; the
 `- dlse` term makes the logsumexp output differentiable at no cost, since
 d lse / d S = P.
 """
@@ -23,54 +25,85 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashjax import masks
 from flashjax.config import KernelConfig
 from flashjax.kernels import common
-from flashjax.masks import MaskSpec
+from flashjax.kernels.common import Scorer, TileInputs
+from flashjax.kernels.triton_fwd import extra_specs
 
 
-def _tile_probs(q, k, lse, rows, cols, *, spec, qk_scale, masked, precision):
-    """P for a tile, recomputed from the saved base-2 logsumexp."""
-    s = common.dot(q, k, trans_b=True, precision=precision) * qk_scale
+def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,
+                      bias=None, slope=None, kv_length=None, q_seg=None, kv_seg=None, dense=None, drop_base=None):
+    """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the scaled q.k).
+
+    dS = P * (dP - delta), where dP = dO V^T passes back through dropout's mask and
+    scaling, then through the softcap's tanh.
+    """
+    qk = common.dot(q, k, trans_b=True, precision=precision)
+    s, t = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
     if masked:
-        s = jnp.where(spec.allowed(rows, cols), s, -jnp.inf)
-    return jnp.exp2(s - lse[:, None])
+        s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
+    p = jnp.exp2(s - lse[:, None])
+    dp = common.dot(do, v, trans_b=True, precision=precision)
+    if drop_base is not None:
+        keep = scorer.keep(drop_base, rows, cols)
+        p_dropped = jnp.where(keep, p * scorer.keep_scale, 0.0)
+        dp = jnp.where(keep, dp * scorer.keep_scale, 0.0)
+    else:
+        p_dropped = p
+    ds = p * (dp - delta[:, None])
+    return p_dropped, ds, t
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                spec: MaskSpec, scale: float, block_q: int, padded_seq_k: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dk_ref, dv_ref, *,
+                scorer: Scorer, block_q: int, padded_seq_k: int, heads: int):
     block_k, head_dim = k_ref.shape
     seq_q, group = q_ref.shape[0], q_ref.shape[1]
     num_q_blocks = seq_q // block_q
-    k_block = pl.program_id(0)
+    spec = scorer.spec
+    k_block, batch, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     precision = common.dot_precision(q_ref.dtype)
-    qk_scale = scale * common.LOG2E
 
     k = k_ref[...]
     v = v_ref[...]
     cols = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-
-    def step(q_block, carry, masked, head):
-        dk, dv = carry
-        start = pl.multiple_of(q_block * block_q, block_q)
-        q = q_ref[pl.ds(start, block_q), head, :]
-        do = do_ref[pl.ds(start, block_q), head, :]
-        lse = lse_ref[head, pl.ds(start, block_q)]
-        delta = delta_ref[head, pl.ds(start, block_q)]
-        rows = start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
-        p = _tile_probs(q, k, lse, rows, cols, spec=spec, qk_scale=qk_scale, masked=masked, precision=precision)
-        dv = dv + common.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-        dp = common.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
-        dk = dk + common.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
-        return dk, dv
+    kv_length = x.ranges[5] if x.ranges is not None else None
+    kv_seg = x.kv_seg[...] if x.kv_seg is not None else None
 
     tiles = spec.q_range(k_block, block_q, block_k, num_q_blocks)
+    if x.ranges is not None:
+        tiles = masks.intersect(tiles, x.ranges)
 
-    def over_head(head, carry):
+    def over_head(g, carry):
+        head = kv_head * group + g
+        slope = x.slopes[head] if x.slopes is not None else None
+        drop_base = scorer.dropout_base(x.seed, batch, head, heads)
+
+        def step(q_block, carry, masked):
+            dk, dv = carry
+            start = pl.multiple_of(q_block * block_q, block_q)
+            tile = pl.ds(start, block_q)
+            q = q_ref[tile, g, :]
+            do = do_ref[tile, g, :]
+            rows = start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+            p, ds, t = _tile_grad_logits(
+                scorer, q, k, v, do, lse_ref[g, tile], delta_ref[g, tile], rows, cols,
+                masked=masked, precision=precision,
+                bias=common.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
+                slope=slope, kv_length=kv_length,
+                q_seg=x.q_seg[tile] if x.q_seg is not None else None, kv_seg=kv_seg,
+                dense=common.pair_tile(x.mask, (g,), tile, None) if x.mask is not None else None,
+                drop_base=drop_base,
+            )
+            dv = dv + common.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+            ds = scorer.logit_grad(ds, t)
+            dk = dk + common.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+            return dk, dv
+
         return common.visit_tiles(
-            tiles, functools.partial(step, head=head), carry,
-            lower_boundary=spec.right is not None,
-            upper_boundary=spec.left is not None or spec.seq_k != padded_seq_k,
+            tiles, step, carry,
+            lower_boundary=spec.right is not None or x.ranges is not None,
+            upper_boundary=spec.left is not None or spec.seq_k != padded_seq_k or x.ranges is not None,
         )
 
     zeros = jnp.zeros((block_k, head_dim), jnp.float32)
@@ -79,44 +112,146 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     else:
         dk, dv = lax.fori_loop(0, group, over_head, (zeros, zeros))
     # S = scale * q.k, so dK carries the scale once, at the end.
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dk_ref[...] = (dk * scorer.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               spec: MaskSpec, scale: float, block_k: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dq_ref, *,
+               scorer: Scorer, block_k: int, heads: int):
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
+    spec = scorer.spec
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy causal tiles first
+    batch, head = pl.program_id(1), pl.program_id(2)
     precision = common.dot_precision(q_ref.dtype)
-    qk_scale = scale * common.LOG2E
 
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+    kv_length = x.ranges[5] if x.ranges is not None else None
+    q_seg = x.q_seg[...] if x.q_seg is not None else None
+    slope = x.slopes[head] if x.slopes is not None else None
+    drop_base = scorer.dropout_base(x.seed, batch, head, heads)
 
     def step(k_block, dq, masked):
         start = pl.multiple_of(k_block * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        tile = pl.ds(start, block_k)
+        k = k_ref[tile, :]
+        v = v_ref[tile, :]
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-        p = _tile_probs(q, k, lse, rows, cols, spec=spec, qk_scale=qk_scale, masked=masked, precision=precision)
-        dp = common.dot(do, v, trans_b=True, precision=precision)
-        ds = p * (dp - delta[:, None])
+        _, ds, t = _tile_grad_logits(
+            scorer, q, k, v, do, lse, delta, rows, cols, masked=masked, precision=precision,
+            bias=common.pair_tile(x.bias, (), None, tile) if x.bias is not None else None,
+            slope=slope, kv_length=kv_length, q_seg=q_seg,
+            kv_seg=x.kv_seg[tile] if x.kv_seg is not None else None,
+            dense=common.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
+            drop_base=drop_base,
+        )
+        ds = scorer.logit_grad(ds, t)
         return dq + common.dot(ds.astype(k.dtype), k, precision=precision)
 
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
+    if x.ranges is not None:
+        tiles = masks.intersect(tiles, x.ranges)
     dq = common.visit_tiles(
         tiles, step, jnp.zeros((block_q, head_dim), jnp.float32),
-        lower_boundary=spec.left is not None,
-        upper_boundary=spec.right is not None or spec.seq_k != k_ref.shape[0],
+        lower_boundary=spec.left is not None or x.ranges is not None,
+        upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
     )
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * scorer.scale).astype(dq_ref.dtype)
 
 
-def backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
+def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dbias_ref, *,
+                  scorer: Scorer, block_q: int, block_k: int, group: int):
+    """dS summed over every (batch, head, tile) that one tile of the broadcast bias feeds."""
+    batch, seq_q, heads, _ = q_ref.shape
+    seq_k = k_ref.shape[1]
+    bias_batch, bias_heads, bias_q, bias_k = x.bias.shape
+    precision = common.dot_precision(q_ref.dtype)
+    # What this program owns, and the broadcast axes it loops over.
+    own_q, own_k, own_bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    loops = (
+        batch if bias_batch == 1 else 1,
+        heads if bias_heads == 1 else 1,
+        seq_q // block_q if bias_q == 1 else 1,
+        seq_k // block_k if bias_k == 1 else 1,
+    )
+    total = loops[0] * loops[1] * loops[2] * loops[3]
+
+    def body(t, acc):
+        b, rest = divmod_(t, loops[1] * loops[2] * loops[3])
+        h, rest = divmod_(rest, loops[2] * loops[3])
+        qi, ki = divmod_(rest, loops[3])
+        b = b if bias_batch == 1 else own_bh // bias_heads
+        h = h if bias_heads == 1 else own_bh % bias_heads
+        qi = qi if bias_q == 1 else own_q
+        ki = ki if bias_k == 1 else own_k
+        q_start = pl.multiple_of(qi * block_q, block_q)
+        k_start = pl.multiple_of(ki * block_k, block_k)
+        q_tile, k_tile = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
+        rows = q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+        cols = k_start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+        kv_head = h // group
+        _, ds, _ = _tile_grad_logits(
+            scorer, q_ref[b, q_tile, h, :], k_ref[b, k_tile, kv_head, :], v_ref[b, k_tile, kv_head, :],
+            do_ref[b, q_tile, h, :], lse_ref[b, h, q_tile], delta_ref[b, h, q_tile], rows, cols,
+            masked=True, precision=precision,
+            bias=common.pair_tile(x.bias, (b, h), q_tile, k_tile),
+            slope=x.slopes[h] if x.slopes is not None else None,
+            kv_length=x.ranges[b, qi, 5] if x.ranges is not None else None,
+            q_seg=x.q_seg[b, q_tile] if x.q_seg is not None else None,
+            kv_seg=x.kv_seg[b, k_tile] if x.kv_seg is not None else None,
+            dense=common.pair_tile(x.mask, (b, h), q_tile, k_tile) if x.mask is not None else None,
+            drop_base=scorer.dropout_base(x.seed, b, h, heads),
+        )
+        if bias_q == 1:
+            ds = jnp.sum(ds, axis=0, keepdims=True)
+        if bias_k == 1:
+            ds = jnp.sum(ds, axis=1, keepdims=True)
+        return acc + ds
+
+    shape = (1 if bias_q == 1 else block_q, 1 if bias_k == 1 else block_k)
+    acc = lax.fori_loop(0, total, body, jnp.zeros(shape, jnp.float32))
+    dbias_ref[...] = acc.astype(dbias_ref.dtype)
+
+
+def divmod_(a, b: int):
+    if b == 1:
+        return a, 0
+    return lax.div(a, b), lax.rem(a, b)
+
+
+def _group_extra_specs(x: TileInputs, *, block_k: int, seq_q: int, group: int) -> TileInputs:
+    """BlockSpecs of the optional inputs for the dK/dV grid of (key tile, batch, kv_head)."""
+
+    def pair_spec(a):
+        bm, hm, tq, tk = a.shape
+        return pl.BlockSpec(
+            (None, group if hm > 1 else 1, tq, block_k if tk > 1 else 1),
+            lambda j, b, g: (b if bm > 1 else 0, g if hm > 1 else 0, 0, j if tk > 1 else 0),
+        )
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda j, b, g: (0,) * a.ndim)
+
+    return TileInputs(
+        ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda j, b, g: (b, j, 0)),
+        q_seg=None if x.q_seg is None else pl.BlockSpec((None, seq_q), lambda j, b, g: (b, 0)),
+        kv_seg=None if x.kv_seg is None else pl.BlockSpec((None, block_k), lambda j, b, g: (b, j)),
+        mask=None if x.mask is None else pair_spec(x.mask),
+        bias=None if x.bias is None else pair_spec(x.bias),
+        slopes=None if x.slopes is None else whole(x.slopes),
+        seed=None if x.seed is None else whole(x.seed),
+    )
+
+
+def _whole_specs(arrays):
+    return jax.tree.map(lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim), arrays)
+
+
+def backward(q, k, v, do, lse2, delta, x_dkv: TileInputs, x_dq: TileInputs, *, scorer: Scorer,
              dkv_config: KernelConfig, dq_config: KernelConfig, interpret: bool = False):
     """Runs the dK/dV and dQ kernels on tile-aligned inputs.
 
@@ -125,6 +260,7 @@ def backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
       lse2: [B, H, Tq] base-2 logsumexp from the forward, with +inf for empty rows
         (so that P = exp2(S - lse2) is 0 there).
       delta: [B, H, Tq] float32, rowsum(dO * O) minus the logsumexp's cotangent.
+      x_dkv, x_dq: optional inputs, with ranges by key tile and by query tile.
 
     Returns:
       dq [B, Tq, H, D], dk and dv [B, Tk, Hkv, D], in the inputs' dtypes.
@@ -139,15 +275,16 @@ def backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
     group_stats = pl.BlockSpec((None, group, seq_q), lambda j, b, g: (b, g, 0))
     k_tile = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, g: (b, j, g, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=bq, padded_seq_k=seq_k),
+        functools.partial(_dkv_kernel, scorer=scorer, block_q=bq, padded_seq_k=seq_k, heads=heads),
         grid=(seq_k // bk, batch, kv_heads),
-        in_specs=[group_rows, k_tile, k_tile, group_rows, group_stats, group_stats],
+        in_specs=[group_rows, k_tile, k_tile, group_rows, group_stats, group_stats,
+                  _group_extra_specs(x_dkv, block_k=bk, seq_q=seq_q, group=group)],
         out_specs=[k_tile, k_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=dkv_config.num_warps, num_stages=dkv_config.num_stages),
         interpret=interpret,
         name="flashjax_bwd_dkv",
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, x_dkv)
 
     # ---- dQ: grid over query tiles, like the forward.
     bq, bk = dq_config.block_q, dq_config.block_k
@@ -156,13 +293,46 @@ def backward(q, k, v, do, lse2, delta, *, spec: MaskSpec, scale: float,
     kv_whole = pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, num_q_blocks - 1 - i))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, spec=spec, scale=scale, block_k=bk),
+        functools.partial(_dq_kernel, scorer=scorer, block_k=bk, heads=heads),
         grid=(num_q_blocks, batch, heads),
-        in_specs=[q_tile, kv_whole, kv_whole, q_tile, stats_tile, stats_tile],
+        in_specs=[q_tile, kv_whole, kv_whole, q_tile, stats_tile, stats_tile,
+                  extra_specs(x_dq, block_q=bq, seq_k=seq_k, num_q_blocks=num_q_blocks)],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=dq_config.num_warps, num_stages=dq_config.num_stages),
         interpret=interpret,
         name="flashjax_bwd_dq",
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, x_dq)
     return dq, dk, dv
+
+
+def bias_grad(q, k, v, do, lse2, delta, x_dq: TileInputs, *, scorer: Scorer, config: KernelConfig,
+              interpret: bool = False):
+    """dBias [Bb, Hb, Tqb, Tkb] (float32) for a bias broadcast along its size-1 axes.
+
+    A separate kernel so that XLA drops it when the bias gradient is not used; it
+    recomputes dS for every tile (boundary-masked), so it costs about a forward.
+    """
+    bias_batch, bias_heads, bias_q, bias_k = x_dq.bias.shape
+    bq, bk = config.block_q, config.block_k
+    group = q.shape[2] // k.shape[2]
+    grid = (
+        bias_q // bq if bias_q > 1 else 1,
+        bias_k // bk if bias_k > 1 else 1,
+        bias_batch * bias_heads,
+    )
+    out_block = (None, None, bq if bias_q > 1 else 1, bk if bias_k > 1 else 1)
+
+    def out_index(i, j, bh):
+        return (bh // bias_heads, bh % bias_heads, i, j)
+
+    return pl.pallas_call(
+        functools.partial(_dbias_kernel, scorer=scorer, block_q=bq, block_k=bk, group=group),
+        grid=grid,
+        in_specs=_whole_specs([q, k, v, do, lse2, delta, x_dq]),
+        out_specs=pl.BlockSpec(out_block, out_index),
+        out_shape=jax.ShapeDtypeStruct(x_dq.bias.shape, jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="flashjax_bwd_dbias",
+    )(q, k, v, do, lse2, delta, x_dq)

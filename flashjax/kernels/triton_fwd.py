@@ -15,33 +15,47 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flashjax import masks
 from flashjax.config import KernelConfig
 from flashjax.kernels import common
-from flashjax.masks import MaskSpec
+from flashjax.kernels.common import Scorer, TileInputs
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec: MaskSpec, scale: float, block_k: int):
+def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, scorer: Scorer, block_k: int, heads: int):
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
+    spec = scorer.spec
     # Tiles run in reverse order: under a causal mask the last query tiles do the
     # most work, and starting them first balances the tail of the grid.
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)
+    batch, head = pl.program_id(1), pl.program_id(2)
     precision = common.dot_precision(q_ref.dtype)
-    qk_scale = scale * common.LOG2E
 
     q = q_ref[...]
     rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+    kv_length = x.ranges[5] if x.ranges is not None else None
+    q_seg = x.q_seg[...] if x.q_seg is not None else None
+    slope = x.slopes[head] if x.slopes is not None else None
+    drop_base = scorer.dropout_base(x.seed, batch, head, heads)
 
     def step(k_block, carry, masked):
         acc, m, l = carry
         start = pl.multiple_of(k_block * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
-        s = common.dot(q, k, trans_b=True, precision=precision) * qk_scale
+        tile = pl.ds(start, block_k)
+        k = k_ref[tile, :]
+        v = v_ref[tile, :]
+        cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+        qk = common.dot(q, k, trans_b=True, precision=precision)
+        bias = common.pair_tile(x.bias, (), None, tile) if x.bias is not None else None
+        s, _ = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
         if masked:
-            cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-            s = jnp.where(spec.allowed(rows, cols), s, -jnp.inf)
-        return common.online_softmax_step(acc, m, l, s, v, masked=masked, precision=precision)
+            s = scorer.mask(
+                s, rows, cols, kv_length=kv_length,
+                q_seg=q_seg, kv_seg=x.kv_seg[tile] if x.kv_seg is not None else None,
+                dense=common.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
+            )
+        keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
+        return common.online_softmax_step(acc, m, l, s, v, masked=masked, keep=keep, precision=precision)
 
     carry = (
         jnp.zeros((block_q, head_dim), jnp.float32),
@@ -49,25 +63,59 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec: MaskSpec, scal
         jnp.zeros((block_q,), jnp.float32),
     )
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
+    if x.ranges is not None:
+        tiles = masks.intersect(tiles, x.ranges)
     acc, m, l = common.visit_tiles(
         tiles, step, carry,
-        lower_boundary=spec.left is not None,
-        upper_boundary=spec.right is not None or spec.seq_k != k_ref.shape[0],
+        lower_boundary=spec.left is not None or x.ranges is not None,
+        upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
     )
-    # Rows that met no key (l = 0) output 0 and report lse = -inf.
+    # Rows that met no key (l = 0), and padded query rows, output 0 and report lse = -inf.
     empty = l == 0.0
-    inv_l = 1.0 / jnp.where(empty, 1.0, l)
+    if x.ranges is not None:
+        empty = empty | (rows[:, 0] >= x.ranges[4])
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    if scorer.dropout_rate:
+        inv_l = inv_l * scorer.keep_scale
     o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def forward(q, k, v, *, spec: MaskSpec, scale: float, config: KernelConfig, interpret: bool = False):
+def extra_specs(x: TileInputs, *, block_q: int, seq_k: int, num_q_blocks: int) -> TileInputs:
+    """BlockSpecs of the optional inputs for a grid of (query tile, batch, head)."""
+
+    def q_tile(i):
+        return num_q_blocks - 1 - i
+
+    def pair_spec(a):
+        bm, hm, tq, tk = a.shape
+        return pl.BlockSpec(
+            (None, None, block_q if tq > 1 else 1, tk),
+            lambda i, b, h: (b if bm > 1 else 0, h if hm > 1 else 0, q_tile(i) if tq > 1 else 0, 0),
+        )
+
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda i, b, h: (0,) * a.ndim)
+
+    return TileInputs(
+        ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda i, b, h: (b, q_tile(i), 0)),
+        q_seg=None if x.q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, q_tile(i))),
+        kv_seg=None if x.kv_seg is None else pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
+        mask=None if x.mask is None else pair_spec(x.mask),
+        bias=None if x.bias is None else pair_spec(x.bias),
+        slopes=None if x.slopes is None else whole(x.slopes),
+        seed=None if x.seed is None else whole(x.seed),
+    )
+
+
+def forward(q, k, v, x: TileInputs, *, scorer: Scorer, config: KernelConfig, interpret: bool = False):
     """Runs the forward kernel on tile-aligned inputs.
 
     Args:
       q: [B, Tq, H, D] with Tq a multiple of config.block_q and D a power of two.
       k, v: [B, Tk, Hkv, D] with Tk a multiple of config.block_k.
-      spec: the structural mask, in true (unpadded) lengths.
+      x: optional inputs (TileInputs of arrays), already padded to the tiles.
+      scorer: the static scoring (mask spec in true lengths, scale, softcap, dropout).
 
     Returns:
       o [B, Tq, H, D] in q's dtype and lse2 [B, H, Tq] (float32, base 2).
@@ -84,7 +132,7 @@ def forward(q, k, v, *, spec: MaskSpec, scale: float, config: KernelConfig, inte
     def kv_whole(i, b, h):
         return (b, 0, h // group, 0)
 
-    kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, block_k=block_k)
+    kernel = functools.partial(_forward_kernel, scorer=scorer, block_k=block_k, heads=heads)
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
@@ -92,6 +140,7 @@ def forward(q, k, v, *, spec: MaskSpec, scale: float, config: KernelConfig, inte
             pl.BlockSpec((None, block_q, None, head_dim), q_tile),
             pl.BlockSpec((None, seq_k, None, head_dim), kv_whole),
             pl.BlockSpec((None, seq_k, None, head_dim), kv_whole),
+            extra_specs(x, block_q=block_q, seq_k=seq_k, num_q_blocks=num_q_blocks),
         ],
         out_specs=[
             pl.BlockSpec((None, block_q, None, head_dim), q_tile),
@@ -104,4 +153,4 @@ def forward(q, k, v, *, spec: MaskSpec, scale: float, config: KernelConfig, inte
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="flashjax_fwd",
-    )(q, k, v)
+    )(q, k, v, x)

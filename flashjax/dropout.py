@@ -1,0 +1,69 @@
+"""Counter-based dropout: the keep mask is a pure function of (seed, batch, head, row, col).
+
+FlashAttention (Algorithm 2 of the paper) never stores the N x N dropout mask:
+the forward draws it tile by tile and the backward regenerates exactly the same
+bits from the same counters. These functions use only integer multiplies, xors
+and logical shifts on uint32, so the same code runs inside the Pallas kernels
+and in the reference, and both see bit-identical masks.
+
+The hash is "lowbias32" (Chris Wellons' integer hash, a MurmurHash3-style
+finaliser with better avalanche); a row hash and a column hash are chained so
+that every (row, col) pair gets an independent 32-bit draw without a 64-bit
+counter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["seed_words", "keep_mask", "tile_keep", "keep_threshold"]
+
+_GOLDEN = 0x9E3779B9
+
+
+def _u32(x):
+    return jnp.asarray(x, jnp.uint32) if not hasattr(x, "dtype") else x.astype(jnp.uint32)
+
+
+def hash32(x):
+    """lowbias32: a bijective avalanche hash of uint32."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def keep_threshold(rate: float) -> int:
+    """An element is kept when its top 24 random bits are >= this (P(keep) = 1 - rate)."""
+    return int(round(rate * (1 << 24)))
+
+
+def seed_words(rng):
+    """Two uint32 words derived from a jax.random key (typed or raw uint32[2])."""
+    return jax.random.bits(rng, (2,), jnp.uint32)
+
+
+def stream_base(seed0, seed1, batch_head):
+    """The per-(batch, head) stream: mixes the seed with the flattened batch*heads index."""
+    return hash32(_u32(seed0) ^ hash32(_u32(batch_head) * jnp.uint32(_GOLDEN) + _u32(seed1)))
+
+
+def tile_keep(base, rows, cols, threshold: int):
+    """Keep mask for positions rows [bq, 1] x cols [1, bk] (int32) of one (batch, head) stream."""
+    row_key = hash32(base ^ (_u32(rows) * jnp.uint32(_GOLDEN)))
+    bits = hash32(row_key ^ _u32(cols))
+    return (bits >> 8) >= jnp.uint32(threshold)
+
+
+def keep_mask(rng, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False):
+    """The full keep mask [B, H, Tq, Tk] (or [1, 1, Tq, Tk] with `broadcast`): reference use only."""
+    seed = seed_words(rng)
+    nb, nh = (1, 1) if broadcast else (batch, heads)
+    batch_head = jnp.arange(nb * nh, dtype=jnp.uint32).reshape(nb, nh, 1, 1)
+    base = stream_base(seed[0], seed[1], batch_head)
+    rows = jnp.arange(seq_q, dtype=jnp.int32)[:, None]
+    cols = jnp.arange(seq_k, dtype=jnp.int32)[None, :]
+    return tile_keep(base, rows, cols, keep_threshold(rate))
