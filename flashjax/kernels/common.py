@@ -99,10 +99,14 @@ class Scorer:
         return s, t
 
     def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None):
-        """-inf where the pair does not attend (only called on boundary tiles)."""
+        """-inf where the pair does not attend (only called on boundary tiles).
+
+        rows and cols broadcast against each other ([bq, 1] x [1, bk], or the
+        transposed [1, bq] x [bk, 1]); segment ids follow the same orientation.
+        """
         allowed = self.spec.allowed(rows, cols, kv_length)
         if q_seg is not None:
-            allowed = allowed & (q_seg[:, None] == kv_seg[None, :])
+            allowed = allowed & (q_seg.reshape(rows.shape) == kv_seg.reshape(cols.shape))
         if dense is not None:
             allowed = allowed & (dense != 0)
         return jnp.where(allowed, s, -jnp.inf)

@@ -33,25 +33,35 @@ from flashjax.kernels.triton_fwd import extra_specs
 
 
 def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,
-                      bias=None, slope=None, kv_length=None, q_seg=None, kv_seg=None, dense=None, drop_base=None):
-    """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the scaled q.k).
+                      transposed=False, bias=None, slope=None, kv_length=None, q_seg=None, kv_seg=None,
+                      dense=None, drop_base=None):
+    """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the logits, tanh of the softcap).
 
     dS = P * (dP - delta), where dP = dO V^T passes back through dropout's mask and
-    scaling, then through the softcap's tanh.
+    scaling. With `transposed` the tile is computed as [block_k, block_q] (S^T = K Q^T,
+    dP^T = V dO^T): the dK/dV kernel then multiplies P^T and dS^T as left operands
+    without a register transpose; rows must be [1, bq] and cols [bk, 1].
     """
-    qk = common.dot(q, k, trans_b=True, precision=precision)
+    if transposed:
+        qk = common.dot(k, q, trans_b=True, precision=precision)
+        lse, delta = lse[None, :], delta[None, :]
+        bias = None if bias is None else bias.T
+        dense = None if dense is None else dense.T
+    else:
+        qk = common.dot(q, k, trans_b=True, precision=precision)
+        lse, delta = lse[:, None], delta[:, None]
     s, t = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
     if masked:
         s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
-    p = jnp.exp2(s - lse[:, None])
-    dp = common.dot(do, v, trans_b=True, precision=precision)
+    p = jnp.exp2(s - lse)
+    dp = common.dot(v, do, trans_b=True, precision=precision) if transposed else common.dot(do, v, trans_b=True, precision=precision)
     if drop_base is not None:
         keep = scorer.keep(drop_base, rows, cols)
         p_dropped = jnp.where(keep, p * scorer.keep_scale, 0.0)
         dp = jnp.where(keep, dp * scorer.keep_scale, 0.0)
     else:
         p_dropped = p
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta)
     return p_dropped, ds, t
 
 
@@ -66,7 +76,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, 
 
     k = k_ref[...]
     v = v_ref[...]
-    cols = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    # Tiles are computed transposed here: [block_k, block_q].
+    cols = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[:, None]
     kv_length = x.ranges[5] if x.ranges is not None else None
     kv_seg = x.kv_seg[...] if x.kv_seg is not None else None
 
@@ -85,19 +96,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, 
             tile = pl.ds(start, block_q)
             q = q_ref[tile, g, :]
             do = do_ref[tile, g, :]
-            rows = start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+            rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
             p, ds, t = _tile_grad_logits(
                 scorer, q, k, v, do, lse_ref[g, tile], delta_ref[g, tile], rows, cols,
-                masked=masked, precision=precision,
+                masked=masked, precision=precision, transposed=True,
                 bias=common.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
                 slope=slope, kv_length=kv_length,
                 q_seg=x.q_seg[tile] if x.q_seg is not None else None, kv_seg=kv_seg,
                 dense=common.pair_tile(x.mask, (g,), tile, None) if x.mask is not None else None,
                 drop_base=drop_base,
             )
-            dv = dv + common.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+            dv = dv + common.dot(p.astype(do.dtype), do, precision=precision)
             ds = scorer.logit_grad(ds, t)
-            dk = dk + common.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+            dk = dk + common.dot(ds.astype(q.dtype), q, precision=precision)
             return dk, dv
 
         return common.visit_tiles(
