@@ -45,6 +45,25 @@ class KernelConfig:
         if self.num_stages < 1:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}.")
 
+    def fit_shared_memory(self, streamed_bytes_per_key: int, pair_bytes: int) -> "KernelConfig":
+        """Fewer pipeline stages, then shorter key tiles, until the streamed tiles fit.
+
+        Each stage holds a key tile of every streamed operand (`streamed_bytes_per_key`
+        bytes per key row, e.g. K and V) plus a [block_q, block_k] tile of each
+        broadcastable input (`pair_bytes` per element, e.g. 2 for a bf16 bias).
+        """
+        config = self
+        while True:
+            per_stage = config.block_k * (streamed_bytes_per_key + config.block_q * pair_bytes)
+            if per_stage * config.num_stages <= SHARED_MEMORY_BUDGET:
+                return config
+            if config.num_stages > 2:
+                config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+            elif config.block_k > 16:
+                config = dataclasses.replace(config, block_k=config.block_k // 2)
+            else:
+                return config
+
     def fit(self, seq_q: int, seq_k: int) -> "KernelConfig":
         """Shrinks the tiles for short sequences (never below 16, Triton's smallest dot)."""
         return dataclasses.replace(
@@ -58,18 +77,23 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-# Measured on an H100 80GB HBM3, bf16, T = 4k and 16k (benchmarks/quick.py, benchmarks/tune.py).
-# The forward keeps a 128-row query tile on chip and streams 128-row key tiles
-# (507 TF/s at 16k, vs 441 with 64-row key tiles). The backward kernels hold two
-# float32 accumulators each (dK and dV, or dQ), so they take 64x64 tiles on 4 warps:
-# 64x128 tiles on 8 warps spilled registers and ran at half the speed (168 vs 352 TF/s).
+# Measured on an H100 80GB HBM3, bf16, T = 8k, non-causal (benchmarks/quick.py sweep:D;
+# figures in benchmarks/results/). The forward keeps a 128-row query tile on chip;
+# D=128 streams 128-row key tiles (428 TF/s vs 404 with 64). The dK/dV kernel walks
+# 64-row query tiles against a 128-row key tile on 8 warps (389 TF/s fwd+bwd; 64x128 on
+# 4 warps spills and drops to 204); the dQ kernel mirrors it. D=256 tiles are halved
+# in one direction to fit the registers (fwd 436 TF/s, fwd+bwd ~195).
 _TUNED: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
-    16: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    32: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    64: (KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    128: (KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3), KernelConfig(64, 64, 4, 3)),
-    256: (KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 2), KernelConfig(32, 32, 4, 2)),
+    16: (KernelConfig(128, 64, 4, 3), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    32: (KernelConfig(128, 64, 4, 3), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    64: (KernelConfig(128, 128, 4, 3), KernelConfig(32, 128, 4, 3), KernelConfig(128, 64, 4, 3)),
+    128: (KernelConfig(128, 128, 8, 3), KernelConfig(64, 128, 8, 3), KernelConfig(128, 64, 8, 3)),
+    256: (KernelConfig(128, 64, 8, 2), KernelConfig(64, 32, 4, 2), KernelConfig(64, 32, 4, 2)),
 }
+
+# Shared memory a Triton program may use on sm90 (227 KB), less a margin for the
+# compiler's own layout-conversion buffers.
+SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)

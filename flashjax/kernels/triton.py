@@ -9,6 +9,7 @@ and dropped; in the backward their logsumexp is +inf, so they contribute nothing
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -27,14 +28,24 @@ class _Layout(NamedTuple):
     head_dim: int  # padded head dim
 
 
-def _layout(q, k, params: AttentionParams) -> _Layout:
+def _layout(q, k, extras: Extras, params: AttentionParams) -> _Layout:
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    padded_dim = max(16, 1 << (head_dim - 1).bit_length())
     config = params.config.fit(seq_q, seq_k)
+    # The forward and dQ kernels stream K and V tiles (and bias/mask tiles) through
+    # shared memory, one set per pipeline stage; keep them within the budget.
+    pair_bytes = sum(jnp.dtype(a.dtype).itemsize for a in (extras.bias, extras.mask) if a is not None)
+    kv_bytes = 2 * padded_dim * jnp.dtype(k.dtype).itemsize
+    config = dataclasses.replace(
+        config,
+        fwd=config.fwd.fit_shared_memory(kv_bytes, pair_bytes),
+        dq=config.dq.fit_shared_memory(kv_bytes, pair_bytes),
+    )
     return _Layout(
         config,
         common.round_up(seq_q, config.q_multiple),
         common.round_up(seq_k, config.k_multiple),
-        max(16, 1 << (head_dim - 1).bit_length()),
+        padded_dim,
     )
 
 
@@ -102,7 +113,7 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
 def forward(q, k, v, extras: Extras, params: AttentionParams):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for empty rows)."""
     seq_q, head_dim = q.shape[1], q.shape[3]
-    layout = _layout(q, k, params)
+    layout = _layout(q, k, extras, params)
     fwd = layout.config.fwd
     o, lse2 = triton_fwd.forward(
         _pad(q, layout.q_len, layout.head_dim), _pad(k, layout.k_len, layout.head_dim),
@@ -119,7 +130,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     dbias is None without a bias; otherwise float32 in the bias's (broadcast) shape.
     """
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    layout = _layout(q, k, params)
+    layout = _layout(q, k, extras, params)
     config = layout.config
     # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
     # path (d lse / d S = P) to dS = P * (dP - delta) for free.
