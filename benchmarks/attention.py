@@ -1,0 +1,646 @@
+"""The attention benchmark of BRIEF.md: flashjax against its peers, one process, one run.
+
+    python benchmarks/attention.py                       # the standard sweep
+    python benchmarks/attention.py --seqlens 1024,4096,16384 --configs d128,gqa \\
+        --modes fwd,fwdbwd --causal both --impls flashjax,cudnn,pallas_mha
+    python benchmarks/attention.py --smoke --out /tmp/bench   # CPU: tiny, interpret mode
+
+Protocol: bfloat16, 16384 tokens per batch (B = 16384 // T); FLOPs 4*B*H*Tq*Tk*D for the
+forward, halved when causal, and 3.5x that for forward+backward (jax.grad of
+sum(out * cotangent) w.r.t. q, k, v). Each cell is compiled once (the compiled
+executable gives the memory analysis and is what is timed), checked against
+`flashjax.reference` on the last query rows of batch row 0 (output, and dq for
+forward+backward; rows of causal attention aligned bottom-right only depend on their
+own query, so a slice of the real problem is an exact check), warmed up twice, then
+timed as the median of >= 10 repetitions of a few back-to-back calls ended by
+`block_until_ready`. A peer that fails is recorded with its error, never a crash.
+
+Results are merged into benchmarks/results/<device>.json (cells keyed by config, T,
+causal, mode and implementation), so a sweep may be run in pieces (`--resume` skips
+cells already measured). PyTorch's FlashAttention-2 runs in a subprocess
+(benchmarks/torch_sdpa.py) before JAX touches the GPU: both frameworks grab GPU memory
+up front, and running torch first lets JAX keep its default preallocation, so XLA's
+out-of-memory cells are those of a normal JAX process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+TOKENS = 16384
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# name -> (heads, kv_heads, head_dim); H * D = 2048 except head dim 256 (H = 8).
+CONFIGS = {
+    "d128": (16, 16, 128),
+    "d64": (32, 32, 64),
+    "gqa": (32, 8, 128),
+    "d256": (8, 8, 256),
+}
+SMOKE_CONFIGS = {"smoke": (2, 1, 32)}
+MODES = ("fwd", "fwdbwd")
+IMPLS = ("flashjax", "cudnn", "xla", "pallas_mha", "tokamax_mosaic", "tokamax_triton", "fa3", "torch_fa2")
+CHECK_ROWS = 256  # query rows of batch row 0 compared with the reference
+TOLERANCE = 2e-2  # relative (Frobenius) error allowed for bf16 against the float32 reference
+XLA_SCORE_LIMIT = 40e9  # bytes of materialised scores beyond which XLA is marked "oom" unrun
+
+
+# ---- the protocol, shared with torch_sdpa.py and tune.py ---------------------------------
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One measurement: a problem (config, T, causal), a mode and an implementation."""
+
+    config: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    causal: bool
+    mode: str
+    impl: str
+    tokens: int = TOKENS
+
+    @property
+    def batch(self) -> int:
+        return max(1, self.tokens // self.seq)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.config, self.seq, self.causal, self.mode, self.impl)
+
+    def flops(self) -> float:
+        return flops(self.batch, self.heads, self.seq, self.seq, self.head_dim, self.causal, self.mode)
+
+
+def cell_key(config: str, seq: int, causal: bool, mode: str, impl: str) -> str:
+    """The JSON key of a cell, e.g. ``d128/T4096/causal/fwdbwd/flashjax``."""
+    return f"{config}/T{seq}/{'causal' if causal else 'full'}/{mode}/{impl}"
+
+
+def flops(batch, heads, seq_q, seq_k, head_dim, causal, mode="fwd") -> float:
+    """FLOPs of BRIEF.md: 4*B*H*Tq*Tk*D forward, halved if causal; x3.5 for fwd+bwd."""
+    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim / (2.0 if causal else 1.0)
+    return fwd * (3.5 if mode == "fwdbwd" else 1.0)
+
+
+def inner_calls(seconds_per_call: float) -> int:
+    """Back-to-back calls per repetition: enough to hide the launch gap of short calls."""
+    return 5 if seconds_per_call < 1e-3 else 3 if seconds_per_call < 1e-2 else 2 if seconds_per_call < 5e-2 else 1
+
+
+def median_time(call, sync, *, reps: int = 10, warmup: int = 2):
+    """Median seconds per call over `reps` repetitions of a few back-to-back calls + `sync`.
+
+    `call()` launches the work and returns what `sync` waits on. Returns (median, times, inner).
+    """
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        sync(call())
+    per_call = (time.perf_counter() - t0) / max(warmup, 1)
+    inner = inner_calls(per_call)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = call()
+        sync(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return float(np.median(times)), times, inner
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of `a` against `b`, in float64 (nan if either is not finite)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def parse_list(text: str, allowed, kind: str, convert=str):
+    """'a,b' -> [a, b], checked against `allowed` (None = anything)."""
+    items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    if allowed is not None:
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise SystemExit(f"unknown {kind} {bad}; choose from {list(allowed)}")
+    return items
+
+
+def parse_seq(text: str) -> int:
+    """'4k' -> 4096, '16384' -> 16384."""
+    text = text.lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+def causal_values(text: str) -> list[bool]:
+    return {"both": [False, True], "yes": [True], "true": [True], "no": [False], "false": [False]}[text.lower()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags, shared by this benchmark and benchmarks/torch_sdpa.py."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 1024,4096,16k")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--modes", default=",".join(MODES), help="fwd,fwdbwd")
+    p.add_argument("--causal", default="both", help="both | yes | no")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (>= 10 for the protocol)")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
+    p.add_argument("--out", default=None, help="results directory or .json file (default benchmarks/results/)")
+    p.add_argument("--fresh", action="store_true", help="do not merge into an existing results file")
+    p.add_argument("--resume", action="store_true", help="skip cells already measured (status ok) in the results file")
+    p.add_argument("--budget-s", type=float, default=330.0, help="stop starting new rows after this many seconds")
+    p.add_argument("--compile-workers", type=int, default=4, help="threads compiling one row's cells ahead of timing")
+    p.add_argument("--cache-dir", default=None, help="JAX persistent compilation cache (speeds up re-runs)")
+    p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
+                   help="run PyTorch FlashAttention-2 in a subprocess (auto: if torch imports and a GPU is present)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run of every code path (T=128,256, 2 reps)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def plan(args) -> list[Cell]:
+    """Cells of the sweep, ordered so the cells that matter most (D=128) run first under a budget."""
+    configs = SMOKE_CONFIGS if args.smoke else CONFIGS
+    names = list(configs) if args.smoke else parse_list(args.configs, CONFIGS, "config")
+    seqlens = [128, 256] if args.smoke else parse_list(args.seqlens, None, "seqlen", parse_seq)
+    modes = parse_list(args.modes, MODES, "mode")
+    impls = parse_list(args.impls, IMPLS, "implementation")
+    tokens = 256 if args.smoke else args.tokens
+    cells = []
+    for name in names:
+        heads, kv_heads, head_dim = configs[name]
+        for seq in seqlens:
+            for causal in causal_values(args.causal):
+                for mode in modes:
+                    for impl in impls:
+                        cells.append(Cell(name, heads, kv_heads, head_dim, seq, causal, mode, impl, tokens))
+    return cells
+
+
+def results_path(out: str | None, device: str) -> Path:
+    if out is None:
+        return RESULTS_DIR / f"{device_slug(device)}.json"
+    path = Path(out)
+    return path if path.suffix == ".json" else path / f"{device_slug(device)}.json"
+
+
+def load_results(path: Path) -> dict:
+    if path.exists():
+        with open(path) as f:
+            return json.load(f)
+    return {"cells": {}}
+
+
+def save_results(path: Path, results: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def record(cell: Cell, status: str, **fields) -> dict:
+    """The JSON record of one cell."""
+    entry = dict(
+        config=cell.config, heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
+        batch=cell.batch, seq=cell.seq, causal=cell.causal, mode=cell.mode, impl=cell.impl,
+        status=status, flops=cell.flops(), time=datetime.datetime.now().isoformat(timespec="seconds"),
+    )
+    entry.update(fields)
+    if entry.get("median_ms"):
+        entry["tflops"] = cell.flops() / (entry["median_ms"] * 1e-3) / 1e12
+    return entry
+
+
+def short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:300]
+
+
+def is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
+
+
+# ---- the implementations (JAX) -----------------------------------------------------------
+class Unsupported(Exception):
+    """A cell an implementation cannot run by design (recorded as 'unsupported')."""
+
+
+class EstimatedOOM(Exception):
+    """A cell whose materialised scores would not fit (recorded as 'oom', not run)."""
+
+
+def _interpret() -> bool:
+    import jax
+
+    return jax.default_backend() != "gpu"
+
+
+def impl_fn(cell: Cell):
+    """(fn, note): fn(q, k, v) -> out [B, T, H, D] for the cell's implementation."""
+    import jax
+    import jax.numpy as jnp
+
+    causal, scale = cell.causal, cell.scale
+    if cell.impl == "flashjax":
+        import flashjax
+
+        return (lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, scale=scale, backend="triton")), ""
+    if cell.impl in ("cudnn", "xla"):
+        if cell.impl == "xla":
+            scores = cell.batch * cell.heads * cell.seq * cell.seq
+            # logits (bf16) and probabilities (f32) forward; twice that live in the backward.
+            need = scores * (6 if cell.mode == "fwd" else 12)
+            if need > XLA_SCORE_LIMIT:
+                raise EstimatedOOM(f"scores need ~{need / 1e9:.0f} GB")
+        return (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation=cell.impl)), ""
+    if cell.impl == "pallas_mha":
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        if cell.seq % 128:
+            raise Unsupported("needs T % 128 == 0 (default 128-row blocks)")
+        group = cell.heads // cell.kv_heads
+        note = f"K/V repeated x{group} (inside the timed function): the op needs equal heads" if group > 1 else ""
+        interpret = _interpret()
+
+        def fn(q, k, v):
+            if group > 1:
+                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            return pallas_attention.mha(q, k, v, None, sm_scale=scale, causal=causal, interpret=interpret)
+
+        return fn, note
+    if cell.impl.startswith("tokamax_"):
+        import tokamax
+
+        implementation = cell.impl.split("_", 1)[1]
+        return (lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation)), ""
+    if cell.impl == "fa3":
+        import flash_attn3_jax
+
+        return (lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, softmax_scale=float(scale), is_causal=causal)), ""
+    raise Unsupported(f"{cell.impl} is not a JAX implementation")
+
+
+def make_inputs(cell: Cell, seed: int = 0):
+    """bf16 (q, k, v, do) for the cell's problem; do is the random cotangent of fwd+bwd."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    b, t, d = cell.batch, cell.seq, cell.head_dim
+    q = jax.random.normal(ks[0], (b, t, cell.heads, d), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (b, t, cell.kv_heads, d), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (b, t, cell.kv_heads, d), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (b, t, cell.heads, d), jnp.bfloat16)
+    return q, k, v, do
+
+
+def timed_fn(cell: Cell, fn):
+    """What is timed: the forward, or grad of sum(out * do) w.r.t. (q, k, v)."""
+    import jax
+    import jax.numpy as jnp
+
+    if cell.mode == "fwd":
+        return lambda q, k, v, do: fn(q, k, v)
+
+    def loss(q, k, v, do):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def compile_cell(cell: Cell, args):
+    """(compiled, note, temp_bytes): compiled once, reused for memory analysis and timing."""
+    import jax
+
+    fn, note = impl_fn(cell)
+    compiled = jax.jit(timed_fn(cell, fn)).lower(*args).compile()
+    temp = None
+    try:
+        analysis = compiled.memory_analysis()
+        temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
+    except Exception:  # some backends have no memory analysis: the cell still times
+        pass
+    return compiled, note, temp
+
+
+class Checker:
+    """The float32 reference on the last CHECK_ROWS query rows of batch row 0, per problem."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def expected(self, cell: Cell, q, k, v, do):
+        import jax
+        import jax.numpy as jnp
+
+        from flashjax import reference
+
+        key = (cell.config, cell.seq, cell.causal, cell.mode)
+        if key not in self._cache:
+            rows = min(CHECK_ROWS, cell.seq)
+            kv_heads = min(cell.kv_heads, 2)
+            heads = kv_heads * (cell.heads // cell.kv_heads)
+            f32 = lambda x: x.astype(jnp.float32)
+            qs, dos = f32(q[:1, -rows:, :heads]), f32(do[:1, -rows:, :heads])
+            ks, vs = f32(k[:1, :, :kv_heads]), f32(v[:1, :, :kv_heads])
+
+            # With Tq < Tk, causal attention is aligned bottom-right: the last `rows`
+            # queries against all keys see exactly the keys they see in the full problem.
+            def ref(q_):
+                return reference.attention(q_, ks, vs, causal=cell.causal, scale=cell.scale)
+
+            out, vjp = jax.vjp(ref, qs)
+            dq = vjp(dos)[0] if cell.mode == "fwdbwd" else None
+            self._cache = {key: (rows, heads, np.asarray(out), None if dq is None else np.asarray(dq))}
+        return self._cache[key]
+
+    def check(self, cell: Cell, result, q, k, v, do) -> dict:
+        """Relative errors {name: err} of the cell's output (fwd) or dq (fwd+bwd)."""
+        rows, heads, out, dq = self.expected(cell, q, k, v, do)
+        if cell.mode == "fwd":
+            return {"out": rel_err(result[:1, -rows:, :heads], out)}
+        return {"dq": rel_err(result[0][:1, -rows:, :heads], dq)}
+
+
+def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int, memory_limit) -> list[dict]:
+    """Compiles a row's cells (same problem) concurrently, then checks and times them one by one."""
+    import jax
+
+    q, k, v, do = make_inputs(cells[0])
+    args = (q, k, v, do)
+    prepared = {}
+
+    def prepare(cell):
+        try:
+            return cell, compile_cell(cell, args), None
+        except Exception as e:  # recorded below; a peer never stops the sweep
+            return cell, None, e
+
+    workers = max(1, compile_workers)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for cell, compiled, error in pool.map(prepare, cells):
+            prepared[cell] = (compiled, error)
+
+    entries = []
+    for cell in cells:
+        compiled, error = prepared[cell]
+        if error is not None and workers > 1 and not isinstance(error, (Unsupported, EstimatedOOM, ImportError)):
+            try:  # concurrent compilation is a speed-up, never a cause of failure: retry alone
+                compiled, error = compile_cell(cell, args), None
+            except Exception as e:
+                error = e
+        if isinstance(error, Unsupported):
+            entries.append(record(cell, "unsupported", error=str(error)))
+            continue
+        if isinstance(error, EstimatedOOM):
+            entries.append(record(cell, "oom", error=str(error)))
+            continue
+        if isinstance(error, ImportError):
+            entries.append(record(cell, "unavailable", error=short_error(error)))
+            continue
+        if error is not None:
+            entries.append(record(cell, "oom" if is_oom(error) else "error", error=short_error(error)))
+            continue
+        executable, note, temp = compiled
+        fields = dict(temp_bytes=temp, note=note)
+        if temp is not None and memory_limit and temp > memory_limit:
+            entries.append(record(cell, "oom", error=f"temp {temp / 1e9:.1f} GB > device limit", **fields))
+            continue
+        try:
+            result = executable(*args)
+            errs = checker.check(cell, result, *args)
+            fields["rel_err"] = errs
+            del result
+            if not all(e < TOLERANCE for e in errs.values()):  # nan fails too
+                entries.append(record(cell, "mismatch", error=f"rel err {errs} >= {TOLERANCE}", **fields))
+                continue
+            median, times, inner = median_time(lambda: executable(*args), jax.block_until_ready, reps=reps)
+            entries.append(record(cell, "ok", median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times],
+                                  inner=inner, **fields))
+        except Exception as e:
+            entries.append(record(cell, "oom" if is_oom(e) else "error", error=short_error(e), **fields))
+    return entries
+
+
+def device_memory_limit():
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        return stats.get("bytes_limit")
+    except Exception:
+        return None
+
+
+# ---- PyTorch, in its own process ----------------------------------------------------------
+def torch_wanted(args) -> bool:
+    if "torch_fa2" not in parse_list(args.impls, IMPLS, "implementation"):
+        return False
+    if args.torch == "off" or args.smoke:
+        return False
+    if args.torch == "on":
+        return True
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:  # cheap GPU probe that does not initialise any framework in this process
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
+    except Exception:
+        return False
+
+
+def run_torch(argv: list[str], budget_s: float) -> tuple[dict, str]:
+    """Runs benchmarks/torch_sdpa.py with the same flags; returns (cells by key, device name)."""
+    script = Path(__file__).resolve().parent / "torch_sdpa.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "torch.json"
+        cmd = [sys.executable, str(script), *argv, "--json", str(out), "--budget-s", str(budget_s)]
+        proc = subprocess.run(cmd, text=True, capture_output=True)
+        sys.stderr.write(proc.stderr[-4000:])
+        if not out.exists():
+            return {}, f"torch subprocess failed (rc={proc.returncode})"
+        with open(out) as f:
+            data = json.load(f)
+    return data.get("cells", {}), data.get("device", "")
+
+
+def strip_torch_flags(argv: list[str]) -> list[str]:
+    """The flags torch_sdpa.py understands: everything but JAX-only ones."""
+    drop_with_value = {"--out", "--compile-workers", "--cache-dir", "--torch", "--budget-s"}
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop_with_value:
+            skip = "=" not in a
+            continue
+        if name in ("--fresh", "--resume"):
+            continue
+        kept.append(a)
+    return kept
+
+
+# ---- the report ---------------------------------------------------------------------------
+def table(cells: dict, impls: list[str] | None = None) -> str:
+    """Compact text table: rows (config, T, causal), columns fwd / fwd+bwd TFLOP/s per impl."""
+    entries = list(cells.values())
+    if not entries:
+        return "(no cells)"
+    present = {e["impl"] for e in entries}
+    impls = [i for i in (impls or IMPLS) if i in present]
+    rows = sorted({(e["config"], e["seq"], e["causal"]) for e in entries},
+                  key=lambda r: (list(CONFIGS).index(r[0]) if r[0] in CONFIGS else 99, r[1], r[2]))
+    by_key = {(e["config"], e["seq"], e["causal"], e["mode"], e["impl"]): e for e in entries}
+
+    def val(row, mode, impl):
+        e = by_key.get((*row, mode, impl))
+        if e is None:
+            return "-"
+        if e["status"] == "ok":
+            return f"{e['tflops']:.0f}" if e["tflops"] >= 10 else f"{e['tflops']:.2g}"
+        return STATUS_MARK.get(e["status"], e["status"])
+
+    def ratio(row, mode, other):
+        a, b = by_key.get((*row, mode, "flashjax")), by_key.get((*row, mode, other))
+        if a and b and a["status"] == b["status"] == "ok":
+            return f"{b['median_ms'] / a['median_ms']:.2f}"
+        return "-"
+
+    header = ["config", "T", "causal"] + impls
+    speedups = [o for o in ("pallas_mha", "cudnn") if o in impls and "flashjax" in impls]
+    header += [f"x{o}" for o in speedups]
+    lines = [header]
+    for row in rows:
+        line = [row[0], str(row[1]), "yes" if row[2] else "no"]
+        line += [f"{val(row, 'fwd', i)}/{val(row, 'fwdbwd', i)}" for i in impls]
+        line += [f"{ratio(row, 'fwd', o)}/{ratio(row, 'fwdbwd', o)}" for o in speedups]
+        lines.append(line)
+    widths = [max(len(l[c]) for l in lines) for c in range(len(header))]
+    text = ["  ".join(s.rjust(w) for s, w in zip(l, widths)) for l in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    note = "TFLOP/s fwd/fwd+bwd; x<peer> = peer time / flashjax time (fwd/fwd+bwd, > 1: flashjax faster)"
+    return "\n".join(text + [note])
+
+
+# How a cell that was not measured shows in the table.
+STATUS_MARK = {"unsupported": "n/a", "unavailable": "n/a", "error": "err", "mismatch": "MISMATCH", "oom": "oom", "skipped": "skip"}
+
+
+def problems(entries: list[dict]) -> str:
+    bad = [e for e in entries if e["status"] not in ("ok", "unsupported", "unavailable")]
+    return "\n".join(f"  {cell_key(e['config'], e['seq'], e['causal'], e['mode'], e['impl'])}: "
+                     f"{e['status']} {e.get('error', '')[:160]}" for e in bad)
+
+
+# ---- main -----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Runs the sweep the flags describe, prints the table and writes the results JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.reps = min(args.reps, 2)
+    start = time.perf_counter()
+    cells = plan(args)
+
+    # PyTorch first, while JAX has not yet claimed the GPU (see the module docstring).
+    torch_cells, torch_note = {}, ""
+    if torch_wanted(args):
+        print("PyTorch FlashAttention-2 (subprocess) ...", flush=True)
+        torch_cells, torch_note = run_torch(strip_torch_flags(argv), budget_s=args.budget_s * 0.15)
+    cells = [c for c in cells if c.impl != "torch_fa2"]
+
+    import jax
+
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    device = jax.devices()[0].device_kind
+    path = results_path(args.out, device)
+    results = {"cells": {}} if args.fresh else load_results(path)
+    import flashjax
+
+    results.update(
+        device=device, platform=jax.default_backend(), jax=jax.__version__, flashjax=flashjax.__version__,
+        date=datetime.date.today().isoformat(),
+        protocol=dict(tokens=256 if args.smoke else args.tokens, dtype="bfloat16", reps=args.reps, check_rows=CHECK_ROWS, tolerance=TOLERANCE,
+                      flops="4*B*H*Tq*Tk*D fwd, /2 causal, x3.5 fwd+bwd"),
+    )
+    if torch_note:
+        results["torch_device"] = torch_note
+    results["cells"].update(torch_cells)
+    done = {k for k, e in results["cells"].items() if e.get("status") == "ok"} if args.resume else set()
+    cells = [c for c in cells if c.key not in done]
+
+    rows: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        rows.setdefault((c.config, c.seq, c.causal), []).append(c)
+    checker = Checker()
+    memory_limit = device_memory_limit()
+    new_entries = list(torch_cells.values())
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety
+        tqdm = None
+    bar = None if (args.quiet or tqdm is None) else tqdm(total=len(cells), desc="attention", unit="cell")
+    for (config, seq, causal), row in rows.items():
+        if time.perf_counter() - start > args.budget_s:
+            entries = [record(c, "skipped", error=f"budget of {args.budget_s:.0f} s spent") for c in row]
+        else:
+            if bar is not None:
+                bar.set_postfix_str(f"{config} T={seq} causal={causal}")
+            entries = run_row(row, args.compile_workers, checker, args.reps, memory_limit)
+        for e in entries:
+            key = cell_key(e["config"], e["seq"], e["causal"], e["mode"], e["impl"])
+            if e["status"] != "skipped" or key not in results["cells"]:  # a skip never hides a measurement
+                results["cells"][key] = e
+        new_entries += entries
+        save_results(path, results)  # after every row: an interrupted sweep keeps what it measured
+        if bar is not None:
+            bar.update(len(row))
+    if bar is not None:
+        bar.close()
+    save_results(path, results)
+
+    this_run = {cell_key(e["config"], e["seq"], e["causal"], e["mode"], e["impl"]): e for e in new_entries}
+    print(f"\n{device} | jax {jax.__version__} | bf16, {256 if args.smoke else args.tokens} tokens per batch | {time.perf_counter() - start:.0f} s")
+    print(table(this_run))
+    issues = problems(new_entries)
+    if issues:
+        print("not measured:\n" + issues)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
