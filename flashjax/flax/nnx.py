@@ -1,0 +1,175 @@
+"""Flax nnx: the `attention_fn` drop-in and `FlashMultiHeadAttention` (with GQA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from flashjax.flax.attention_fn import _attention_fn, attention_fn, make_attention_fn
+from flashjax.flax.common import head_dim_of, update_cache
+
+__all__ = ["attention_fn", "make_attention_fn", "FlashMultiHeadAttention"]
+
+
+class FlashMultiHeadAttention(nnx.Module):
+    """Multi-head attention with grouped-query K/V, computed by flashjax.
+
+    Parameters mirror `flax.nnx.MultiHeadAttention` (``query``, ``key``,
+    ``value``, ``out`` `LinearGeneral` layers with the same shapes, initialisers
+    and creation order), so with the same ``rngs`` both modules start from the
+    same weights, and a Flax checkpoint loads with ``nnx.update``.
+
+    Example::
+
+      layer = FlashMultiHeadAttention(num_heads=8, in_features=512, num_kv_heads=2,
+                                      causal=True, rngs=nnx.Rngs(0))
+      y = layer(jnp.ones((4, 256, 512)))               # [4, 256, 512]
+
+      layer.init_cache((4, 256, 512))                  # decoding: the cache holds kv heads
+      y_t = layer(jnp.ones((4, 1, 512)), decode=True)  # one token at a time
+
+    Args:
+      num_heads: query heads.
+      in_features: input features of the queries.
+      qkv_features: ``num_heads * head_dim``; defaults to ``in_features``.
+      out_features: output features; defaults to ``in_features``.
+      num_kv_heads: key/value heads (divides ``num_heads``); ``None`` = ``num_heads``.
+      in_kv_features: input features of keys/values; defaults to ``in_features``.
+      head_dim: per-head size; overrides ``qkv_features`` when given.
+      causal: causal self-attention (tiles above the diagonal are skipped).
+      dropout_rate, broadcast_dropout, deterministic: attention dropout, as in Flax.
+      qk_norm: RMSNorm over ``head_dim`` on queries and keys (``query_norm``,
+        ``key_norm``; created after ``out`` so the projections' init is unchanged).
+      dtype, param_dtype, kernel_init, bias_init, use_bias: as in Flax.
+      decode: default for the call's ``decode``.
+      backend, config: forwarded to `flashjax.flash_attention`.
+      rngs: `nnx.Rngs` for the initialisers (and dropout, kept as ``self.rngs``).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        *,
+        head_dim: int | None = None,
+        causal: bool = False,
+        dropout_rate: float = 0.0,
+        broadcast_dropout: bool = True,
+        deterministic: bool | None = None,
+        qk_norm: bool = False,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Any = nnx.nn.linear.default_kernel_init,
+        bias_init: Any = nnx.initializers.zeros_init(),
+        use_bias: bool = True,
+        decode: bool = False,
+        backend: str = "auto",
+        config: Any = None,
+        rngs: nnx.Rngs,
+    ):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.in_features = in_features
+        self.head_dim = head_dim_of(num_heads, self.num_kv_heads, head_dim, qkv_features or in_features)
+        self.out_features = out_features or in_features
+        self.causal = causal
+        self.dropout_rate = dropout_rate
+        self.broadcast_dropout = broadcast_dropout
+        self.deterministic = deterministic
+        self.qk_norm = qk_norm
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.decode = decode
+        self.backend = backend
+        self.config = config
+
+        def linear(in_features, out_features, **kw):
+            return nnx.LinearGeneral(
+                in_features, out_features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+                bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kw,
+            )
+
+        kv_in = in_kv_features or in_features
+        self.query = linear(in_features, (num_heads, self.head_dim))
+        self.key = linear(kv_in, (self.num_kv_heads, self.head_dim))
+        self.value = linear(kv_in, (self.num_kv_heads, self.head_dim))
+        self.out = linear((num_heads, self.head_dim), self.out_features, axis=(-2, -1))
+        if qk_norm:
+            self.query_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.key_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.query_norm = self.key_norm = nnx.data(None)
+        # As in nnx.MultiHeadAttention: a dropout stream of our own, forked after the params.
+        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
+        self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+
+    def init_cache(self, input_shape, dtype=jnp.float32):
+        """Allocate the KV cache for decoding inputs of shape ``[batch..., max_len, features]``.
+
+        The cache is ``[batch..., max_len, num_kv_heads, head_dim]``: grouped-query
+        attention shrinks it by ``num_heads / num_kv_heads``.
+        """
+        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
+                 deterministic: bool | None = None, rngs=None, decode: bool | None = None):
+        """Attention of ``inputs_q`` over ``inputs_k``/``inputs_v`` (self-attention if omitted).
+
+        Args:
+          inputs_q: ``[batch..., q_len, in_features]``.
+          inputs_k, inputs_v: ``[batch..., kv_len, in_kv_features]``; default to
+            ``inputs_q`` (and ``inputs_v`` to ``inputs_k``).
+          mask: broadcastable to ``[batch..., heads, q_len, kv_len]``; True = attend.
+          bias: additive, broadcastable to ``[batch..., heads, q_len, kv_len]``.
+          deterministic: disables dropout; overrides the attribute.
+          rngs: `nnx.Rngs` or a stream for dropout; defaults to ``self.rngs``.
+          decode: one token ``[batch..., 1, features]`` against the KV cache
+            (``init_cache`` first); overrides the attribute.
+
+        Returns:
+          ``[batch..., q_len, out_features]``.
+        """
+        if inputs_k is None:
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+        if self.qk_norm:
+            query, key = self.query_norm(query), self.key_norm(key)
+
+        kv_length = None
+        causal = self.causal
+        if decode if decode is not None else self.decode:
+            if self.cached_key is None:
+                raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first.")
+            key, value, kv_length = update_cache(
+                self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value)
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = key, value, kv_length
+            causal = False  # one query against the filled part of the cache
+
+        dropout_rng = None
+        deterministic = True if self.dropout_rate == 0.0 else (
+            deterministic if deterministic is not None else self.deterministic)
+        if deterministic is None:
+            raise ValueError("dropout_rate > 0: pass deterministic= to the call or the constructor.")
+        if not deterministic:
+            stream = rngs if rngs is not None else self.rngs
+            if stream is None:
+                raise ValueError("dropout needs rngs: pass rngs= to the call.")
+            dropout_rng = stream.dropout() if isinstance(stream, nnx.Rngs) else stream()
+
+        x = _attention_fn(
+            query, key, value, bias=bias, mask=mask, broadcast_dropout=self.broadcast_dropout,
+            dropout_rng=dropout_rng, dropout_rate=self.dropout_rate, deterministic=deterministic,
+            dtype=self.dtype, causal=causal, backend=self.backend, config=self.config, kv_length=kv_length,
+        )
+        return self.out(x)
