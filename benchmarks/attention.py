@@ -466,10 +466,10 @@ def device_memory_limit():
 def torch_wanted(args) -> bool:
     if "torch_fa2" not in parse_list(args.impls, IMPLS, "implementation"):
         return False
-    if args.torch == "off" or args.smoke:
+    if args.torch != "auto":
+        return args.torch == "on"
+    if args.smoke:
         return False
-    if args.torch == "on":
-        return True
     if importlib.util.find_spec("torch") is None:
         return False
     try:  # cheap GPU probe that does not initialise any framework in this process
@@ -484,8 +484,7 @@ def run_torch(argv: list[str], budget_s: float) -> tuple[dict, str]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "torch.json"
         cmd = [sys.executable, str(script), *argv, "--json", str(out), "--budget-s", str(budget_s)]
-        proc = subprocess.run(cmd, text=True, capture_output=True)
-        sys.stderr.write(proc.stderr[-4000:])
+        proc = subprocess.run(cmd, text=True, stdout=subprocess.DEVNULL)  # progress goes to stderr
         if not out.exists():
             return {}, f"torch subprocess failed (rc={proc.returncode})"
         with open(out) as f:
