@@ -1,0 +1,333 @@
+"""flashjax.flax against Flax's own attention: same parameters, same inputs.
+
+Every test builds a Flax module twice, once with Flax's default attention and
+once with flashjax (the `attention_fn` drop-in or our `FlashMultiHeadAttention`),
+gives both the same parameters and inputs, and compares outputs and parameter
+gradients under `jax.jit` / `nnx.jit`. Dimensions are tiny so the Pallas kernels
+run quickly in interpret mode on the CPU.
+
+Tolerances: everything is float32 on both sides; the kernels' online softmax
+sums in a different order than Flax's `softmax`, ~1e-6 relative error observed,
+so we allow conftest's float32 tolerance (2e-5) on outputs and 1e-4 on parameter
+gradients (which sum over batch, positions and heads, a longer accumulation).
+The bfloat16 test uses conftest's bfloat16 tolerance.
+
+Rows whose keys are all masked (padded queries) differ on purpose: Flax fills
+them with -big and returns the mean of V, flashjax returns 0. Losses weight those
+rows by 0, as any training loss over padded positions does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import flashjax.flax
+from flashjax.flax import linen as fj_linen
+from flashjax.flax import nnx as fj_nnx
+
+FEATURES, HEADS, SEQ = 32, 4, 8  # head_dim 8
+GRAD_TOL = 1e-4
+OUT_TOL = 2e-5
+
+
+def _tree_close(got, want, tol, what):
+    """Leafwise relative error, measured against max(leaf norm, 1% of the tree's norm).
+
+    The floor matters for leaves whose exact gradient is 0: the key projection's
+    bias shifts every logit of a row by the same amount, which the softmax
+    ignores, so both sides return rounding noise (~1e-7) there.
+    """
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    want_leaves = [np.asarray(w, np.float64) for w in jax.tree.leaves(want)]
+    assert len(got_leaves) == len(want_leaves), what
+    floor = 1e-2 * np.sqrt(sum(np.sum(w**2) for w in want_leaves))
+    for (path, g), w in zip(got_leaves, want_leaves):
+        g = np.asarray(g, np.float64)
+        assert g.shape == w.shape and np.all(np.isfinite(g)), f"{what}{jax.tree_util.keystr(path)}"
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), floor, 1e-30)
+        assert err <= tol, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.3g} > {tol:.3g}"
+
+
+def _row_weight(mask, shape):
+    """[batch..., q, 1] weights: 0 for query rows that see no key (see the module docstring)."""
+    if mask is None:
+        return jnp.ones(shape[:-1] + (1,))
+    visible = jnp.max(mask, axis=(-3, -1)) > 0  # [batch..., q]
+    return jnp.broadcast_to(visible, shape[:-1])[..., None].astype(jnp.float32)
+
+
+def _tokens(key, shape, lengths=None):
+    """Token ids >= 1, right-padded with 0 past `lengths` (per leading row)."""
+    tokens = jax.random.randint(key, shape, 1, 10)
+    if lengths is not None:
+        positions = jnp.arange(shape[-1])
+        tokens = jnp.where(positions < jnp.asarray(lengths)[..., None], tokens, 0)
+    return tokens
+
+
+def _case(name, key):
+    """(inputs_q, inputs_kv, mask) for a named attention pattern."""
+    kq, kkv, kt = jax.random.split(key, 3)
+    x = jax.random.normal(kq, (2, SEQ, FEATURES))
+    if name == "self":
+        return x, x, None
+    if name == "cross":
+        return x, jax.random.normal(kkv, (2, SEQ + 5, FEATURES)), None
+    if name == "padding":  # the usual encoder padding mask; the 2nd row has 5 real tokens
+        tokens = _tokens(kt, (2, SEQ), lengths=[SEQ, 5])
+        return x, x, nn.make_attention_mask(tokens > 0, tokens > 0)
+    if name == "causal":
+        return x, x, nn.make_causal_mask(_tokens(kt, (2, SEQ)))
+    if name == "batch_dims":  # [batch, beams, seq, features]: extra batch dims are flattened
+        x = jax.random.normal(kq, (2, 3, SEQ, FEATURES))
+        return x, x, nn.make_causal_mask(_tokens(kt, (2, 3, SEQ)))
+    raise ValueError(name)
+
+
+# ---- linen ----------------------------------------------------------------------------
+def _linen_loss(module, params, xq, xkv, mask, ct):
+    out = module.apply(params, xq, xkv, mask=mask)
+    return jnp.sum(out * ct * _row_weight(mask, out.shape)), out
+
+
+# Cases split between linen and nnx so that each path (mask array, causal flag, GQA,
+# cross lengths, extra batch dims) is covered once: each new shape costs a compile.
+@pytest.mark.parametrize("case", ["cross", "padding", "batch_dims"])
+def test_linen_attention_fn_matches_flax(case, key, assert_close):
+    xq, xkv, mask = _case(case, key)
+    flax_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+    ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=flashjax.flax.attention_fn)
+    params = flax_mha.init(jax.random.fold_in(key, 1), xq, xkv)
+    ct = jax.random.normal(jax.random.fold_in(key, 2), xq.shape)
+
+    def run(module):
+        grad_fn = jax.jit(jax.grad(functools.partial(_linen_loss, module), has_aux=True))
+        return grad_fn(params, xq, xkv, mask, ct)
+
+    (g_ours, out_ours), (g_flax, out_flax) = run(ours), run(flax_mha)
+    w = _row_weight(mask, out_flax.shape)
+    assert_close(out_ours * w, out_flax * w, jnp.float32, "out", tol=OUT_TOL)
+    _tree_close(g_ours, g_flax, GRAD_TOL, "grad")
+
+
+def test_linen_module_loads_flax_params(key, assert_close):
+    """Our module with a Flax checkpoint == Flax's module; `causal=True` == Flax + causal mask."""
+    x, _, mask = _case("causal", key)
+    flax_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+    params = flax_mha.init(key, x)
+    ours = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, causal=True)
+    assert jax.tree.map(jnp.shape, ours.init(key, x)) == jax.tree.map(jnp.shape, params)
+    out_ours = jax.jit(ours.apply)(params, x)
+    out_flax = jax.jit(lambda p, x, m: flax_mha.apply(p, x, mask=m))(params, x, mask)
+    assert_close(out_ours, out_flax, jnp.float32, "out", tol=OUT_TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linen_module_gqa_matches_repeated_kv(causal, key, assert_close):
+    """GQA: our module == Flax's MHA whose key/value projections repeat each kv head."""
+    kv_heads = 2
+    x, _, _ = _case("self", key)
+    ours = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, num_kv_heads=kv_heads, causal=causal)
+    params = ours.init(key, x)
+    assert params["params"]["key"]["kernel"].shape == (FEATURES, kv_heads, FEATURES // HEADS)
+
+    def repeat_heads(p):  # kernel [F, Hkv, D] / bias [Hkv, D] -> [F, H, D] / [H, D]
+        axis = p.ndim - 2
+        return jnp.repeat(p, HEADS // kv_heads, axis=axis)
+
+    flax_params = {"params": dict(params["params"])}
+    for name in ("key", "value"):
+        flax_params["params"][name] = jax.tree.map(repeat_heads, params["params"][name])
+    mask = nn.make_causal_mask(x[..., 0]) if causal else None
+    out_ours = jax.jit(ours.apply)(params, x)
+    out_flax = nn.MultiHeadDotProductAttention(num_heads=HEADS).apply(flax_params, x, mask=mask)
+    assert_close(out_ours, out_flax, jnp.float32, "out", tol=OUT_TOL)
+
+
+def test_linen_decode_matches_flax(key, assert_close):
+    """Flax's KV cache (one query vs the cache plus a cache mask), step by step."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    flax_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
+    variables = flax_mha.init(key, x)  # init with the full length creates the cache
+    params, cache = {"params": variables["params"]}, variables["cache"]
+    modules = {
+        "flax": flax_mha,
+        "attention_fn": nn.MultiHeadDotProductAttention(
+            num_heads=HEADS, decode=True, attention_fn=flashjax.flax.attention_fn),
+        "module": fj_linen.FlashMultiHeadAttention(num_heads=HEADS, decode=True),
+    }
+    outputs = {}
+    for name, module in modules.items():
+        step = jax.jit(lambda c, xt, m=module: m.apply({**params, "cache": c}, xt, mutable=["cache"]))
+        c, outs = cache, []
+        for t in range(SEQ):
+            out, mutated = step(c, x[:, t:t + 1])
+            c = mutated["cache"]
+            outs.append(out)
+        outputs[name] = jnp.concatenate(outs, axis=1)
+    for name in ("attention_fn", "module"):
+        assert_close(outputs[name], outputs["flax"], jnp.float32, name, tol=OUT_TOL)
+    # Decoding token by token == causal attention over the whole sequence.
+    full = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, causal=True).apply(params, x)
+    assert_close(outputs["module"], full, jnp.float32, "decode vs causal", tol=OUT_TOL)
+
+
+# ---- nnx ------------------------------------------------------------------------------
+def _nnx_pair(key, **kwargs):
+    """Flax's nnx.MultiHeadAttention with its default attention and with ours, same params."""
+    seed = int(jax.random.randint(key, (), 0, 2**30))
+    make = lambda **kw: nnx.MultiHeadAttention(  # noqa: E731
+        num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(seed), **kwargs, **kw)
+    return make(), make(attention_fn=flashjax.flax.attention_fn)
+
+
+@nnx.jit(static_argnames="is_causal")
+def _nnx_loss_and_grad(module, xq, xkv, mask, ct, is_causal=False):
+    def loss(m):
+        out = m(xq, xkv, mask=mask, is_causal=is_causal)
+        return jnp.sum(out * ct * _row_weight(mask, out.shape)), out
+
+    return nnx.grad(loss, has_aux=True)(module)
+
+
+@pytest.mark.parametrize("case", ["self", "causal", "is_causal", "gqa"])
+def test_nnx_attention_fn_matches_flax(case, key, assert_close):
+    is_causal = case == "is_causal"
+    xq, xkv, mask = _case("self" if case in ("is_causal", "gqa") else case, key)
+    flax_mha, ours = _nnx_pair(key, num_kv_heads=2 if case == "gqa" else None)
+    ct = jax.random.normal(jax.random.fold_in(key, 2), xq.shape)
+    g_flax, out_flax = _nnx_loss_and_grad(flax_mha, xq, xkv, mask, ct, is_causal=is_causal)
+    g_ours, out_ours = _nnx_loss_and_grad(ours, xq, xkv, mask, ct, is_causal=is_causal)
+    w = _row_weight(mask, out_flax.shape)
+    assert_close(out_ours * w, out_flax * w, jnp.float32, "out", tol=OUT_TOL)
+    _tree_close(nnx.state(g_ours, nnx.Param), nnx.state(g_flax, nnx.Param), GRAD_TOL, "grad")
+
+
+def test_nnx_attention_fn_is_causal_cross_is_top_left(key, assert_close):
+    """Flax's is_causal with q_len != kv_len is jnp.tril: aligned to the top left."""
+    xq, xkv, _ = _case("cross", key)
+    flax_mha, ours = _nnx_pair(key)
+    out_flax = flax_mha(xq, xkv, is_causal=True)
+    out_ours = nnx.jit(lambda m, a, b: m(a, b, is_causal=True))(ours, xq, xkv)
+    assert_close(out_ours, out_flax, jnp.float32, "out", tol=OUT_TOL)
+
+
+def test_nnx_module_matches_flax(key, assert_close):
+    """Same rngs -> same params as nnx.MultiHeadAttention (GQA); same outputs and grads."""
+    kv_heads = 2
+    x, _, _ = _case("self", key)
+    ct = jax.random.normal(jax.random.fold_in(key, 2), x.shape)
+    flax_mha = nnx.MultiHeadAttention(
+        num_heads=HEADS, in_features=FEATURES, num_kv_heads=kv_heads, decode=False, rngs=nnx.Rngs(3))
+    ours = fj_nnx.FlashMultiHeadAttention(
+        num_heads=HEADS, in_features=FEATURES, num_kv_heads=kv_heads, causal=True, rngs=nnx.Rngs(3))
+    _tree_close(nnx.state(ours, nnx.Param), nnx.state(flax_mha, nnx.Param), 0.0, "init")
+
+    @nnx.jit
+    def loss_and_grad(m, x, ct):
+        def loss(m):
+            out = m(x) if isinstance(m, fj_nnx.FlashMultiHeadAttention) else m(x, is_causal=True)
+            return jnp.sum(out * ct), out
+
+        return nnx.grad(loss, has_aux=True)(m)
+
+    g_flax, out_flax = loss_and_grad(flax_mha, x, ct)
+    g_ours, out_ours = loss_and_grad(ours, x, ct)
+    assert_close(out_ours, out_flax, jnp.float32, "out", tol=OUT_TOL)
+    _tree_close(nnx.state(g_ours, nnx.Param), nnx.state(g_flax, nnx.Param), GRAD_TOL, "grad")
+
+
+def test_nnx_module_loads_flax_checkpoint(key, assert_close):
+    """A trained nnx.MultiHeadAttention's params load into ours with nnx.update."""
+    x, _, _ = _case("self", key)
+    flax_mha = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(1))
+    ours = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, rngs=nnx.Rngs(2))
+    nnx.update(ours, nnx.state(flax_mha, nnx.Param))
+    assert_close(nnx.jit(lambda m, x: m(x))(ours, x), flax_mha(x), jnp.float32, "out", tol=OUT_TOL)
+
+
+def test_nnx_module_qk_norm(key, assert_close):
+    """qk_norm = RMSNorm over head_dim on q and k, then plain attention."""
+    x, _, _ = _case("self", key)
+    ours = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qk_norm=True, rngs=nnx.Rngs(0))
+    ours.query_norm.scale[...] = jax.random.uniform(key, (FEATURES // HEADS,), minval=0.5, maxval=2.0)
+    q, k, v = ours.query_norm(ours.query(x)), ours.key_norm(ours.key(x)), ours.value(x)
+    want = ours.out(nnx.dot_product_attention(q, k, v))
+    assert_close(nnx.jit(lambda m, x: m(x))(ours, x), want, jnp.float32, "out", tol=OUT_TOL)
+
+
+def test_nnx_decode(key, assert_close):
+    """nnx's init_cache / decode=True: Flax's module with our attention_fn vs its default,
+    and our GQA module (cache of kv heads) decoding vs its causal full-sequence output."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    flax_mha, flax_ours = _nnx_pair(key)
+    gqa = fj_nnx.FlashMultiHeadAttention(
+        num_heads=HEADS, in_features=FEATURES, num_kv_heads=2, causal=True, rngs=nnx.Rngs(0))
+    full = gqa(x)
+    for m in (flax_mha, flax_ours, gqa):
+        m.init_cache(x.shape)
+    assert gqa.cached_key.shape == (2, SEQ, 2, FEATURES // HEADS)
+
+    step = nnx.jit(lambda m, xt: m(xt, decode=True))
+    outs = {name: [] for name in ("flax", "ours", "gqa")}
+    for t in range(SEQ):
+        for name, m in (("flax", flax_mha), ("ours", flax_ours), ("gqa", gqa)):
+            outs[name].append(step(m, x[:, t:t + 1]))
+    outs = {name: jnp.concatenate(v, axis=1) for name, v in outs.items()}
+    assert_close(outs["ours"], outs["flax"], jnp.float32, "attention_fn decode", tol=OUT_TOL)
+    assert_close(outs["gqa"], full, jnp.float32, "gqa decode vs causal", tol=OUT_TOL)
+
+
+# ---- dropout, dtype, errors -----------------------------------------------------------
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_nnx_dropout(broadcast, key):
+    """Dropout: reproducible per key, and Flax's broadcast_dropout shares one mask across
+    batch and heads (identical batch rows stay identical only when broadcast)."""
+    x = jnp.broadcast_to(jax.random.normal(key, (1, SEQ, FEATURES)), (2, SEQ, FEATURES))
+    layer = nnx.MultiHeadAttention(
+        num_heads=HEADS, in_features=FEATURES, decode=False, dropout_rate=0.5,
+        broadcast_dropout=broadcast, attention_fn=flashjax.flax.attention_fn, rngs=nnx.Rngs(0))
+    run = nnx.jit(lambda m, x, seed: m(x, deterministic=False, rngs=nnx.Rngs(dropout=seed)))
+    a, b, c = (run(layer, x, jax.random.key(seed)) for seed in (1, 1, 2))
+    clean = layer(x, deterministic=True)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, clean)
+    assert np.allclose(a[0], a[1], atol=1e-6) == broadcast
+
+
+def test_nnx_bfloat16(key, assert_close):
+    x, _, mask = _case("causal", key)
+    flax_mha, ours = _nnx_pair(key, dtype=jnp.bfloat16)
+    out_flax = flax_mha(x, mask=mask)
+    out_ours = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ours, x, mask)
+    assert out_ours.dtype == out_flax.dtype == jnp.bfloat16
+    assert_close(out_ours, out_flax.astype(jnp.float32), jnp.bfloat16, "out")
+
+
+def test_sow_weights_raises(key):
+    x, _, _ = _case("self", key)
+    linen_mha = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=flashjax.flax.attention_fn)
+    params = linen_mha.init(key, x)
+    with pytest.raises(NotImplementedError, match="sow"):
+        linen_mha.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    _, ours = _nnx_pair(key)
+    with pytest.raises(NotImplementedError, match="sow"):
+        ours(x, sow_weights=True)
+
+
+def test_make_attention_fn_options(key, assert_close):
+    """Static options through the factory: causal (bottom-right) and the xla backend."""
+    x, _, mask = _case("causal", key)
+    flax_mha, _ = _nnx_pair(key)
+    want = flax_mha(x, mask=mask)
+    for fn in (flashjax.flax.make_attention_fn(causal=True), flashjax.flax.make_attention_fn(backend="xla")):
+        flax_mha.attention_fn = fn
+        got = flax_mha(x, mask=None if fn.keywords["causal"] else mask)
+        assert_close(got, want, jnp.float32, str(fn.keywords), tol=OUT_TOL)
