@@ -50,6 +50,7 @@ def bench(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("flashjax_benchmarks_attention", script)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(BENCHMARKS_DIR))  # the benchmark imports its sibling scripts
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
     spec.loader.exec_module(module)
     return int(module.main(argv) or 0)
 
