@@ -538,7 +538,7 @@ def table(cells: dict, impls: list[str] | None = None) -> str:
 
     header = ["config", "T", "causal"] + impls
     speedups = [o for o in ("pallas_mha", "cudnn") if o in impls and "flashjax" in impls]
-    header += [f"x{o}" for o in speedups]
+    header += [f"vs {o}" for o in speedups]
     lines = [header]
     for row in rows:
         line = [row[0], str(row[1]), "yes" if row[2] else "no"]
@@ -548,7 +548,7 @@ def table(cells: dict, impls: list[str] | None = None) -> str:
     widths = [max(len(l[c]) for l in lines) for c in range(len(header))]
     text = ["  ".join(s.rjust(w) for s, w in zip(l, widths)) for l in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
-    note = "TFLOP/s fwd/fwd+bwd; x<peer> = peer time / flashjax time (fwd/fwd+bwd, > 1: flashjax faster)"
+    note = "TFLOP/s fwd/fwd+bwd; vs <peer> = peer time / flashjax time (fwd/fwd+bwd, > 1: flashjax faster)"
     return "\n".join(text + [note])
 
 

@@ -39,7 +39,8 @@ def load(path: Path) -> dict:
 
 
 def default_files() -> list[Path]:
-    return sorted(p for p in RESULTS_DIR.glob("*.json") if not p.name.startswith("tuning-"))
+    """The results files of benchmarks/attention.py (tuning and variants files have other formats)."""
+    return sorted(p for p in RESULTS_DIR.glob("*.json") if not p.name.startswith(("tuning-", "variants-")))
 
 
 def _cells(results: dict, config: str) -> list[dict]:
