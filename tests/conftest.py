@@ -10,6 +10,7 @@ Fixtures:
   key, rng: a PRNG key / numpy Generator seeded from the test's node id (fresh per
     test, reproducible).
   make_inputs: factory of random q, k, v and cotangents do, dlse.
+  reference_fwd: the oracle's (o, lse) for given inputs.
   reference_vjp: the oracle's (o, lse, dq, dk, dv) for given inputs and cotangents.
   kernel_vjp: the same through `flashjax.flash_attention(..., return_lse=True)`.
   assert_close: relative-error check with the dtype's tolerance and a finiteness check.
@@ -156,6 +157,17 @@ def _reference_vjp(q, k, v, do, dlse, options):
     return _vjp(fn, up(q), up(k), up(v), None if do is None else up(do), dlse)
 
 
+@functools.partial(jax.jit, static_argnames=("options",))
+def _reference_forward(q, k, v, options):
+    up = lambda x: x.astype(jnp.float32)
+    return reference.attention(up(q), up(k), up(v), return_lse=True, **dict(options))
+
+
+def reference_forward(q, k, v, **kwargs):
+    """The oracle's (o, lse) in float32 on upcast inputs; static keyword arguments only."""
+    return _reference_forward(q, k, v, tuple(sorted(kwargs.items())))
+
+
 def reference_result(q, k, v, do=None, dlse=None, **kwargs) -> Result:
     """The oracle in float32 on upcast inputs; ``None`` cotangents are zeros.
 
@@ -165,10 +177,26 @@ def reference_result(q, k, v, do=None, dlse=None, **kwargs) -> Result:
     return _reference_vjp(q, k, v, do, dlse, tuple(sorted(kwargs.items())))
 
 
-def kernel_result(q, k, v, do=None, dlse=None, *, backend="triton", **kwargs) -> Result:
-    """`flashjax.flash_attention` (default: the Triton kernels, interpret mode on the CPU)."""
-    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, return_lse=True, backend=backend, **kwargs)
+@functools.partial(jax.jit, static_argnames=("options",))
+def _kernel_vjp(q, k, v, do, dlse, options):
+    # One jit around forward and backward: a single compilation per shape, where an
+    # eager jax.vjp would compile the forward, the backward and each glue op apart.
+    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, return_lse=True, **dict(options))
     return _vjp(fn, q, k, v, do, dlse)
+
+
+def kernel_result(q, k, v, do=None, dlse=None, *, backend="triton", **kwargs) -> Result:
+    """`flashjax.flash_attention` (default: the Triton kernels, interpret mode on the CPU).
+
+    Keyword arguments go to `flash_attention` and must be static (hashable).
+    """
+    return _kernel_vjp(q, k, v, do, dlse, tuple(sorted(dict(kwargs, backend=backend).items())))
+
+
+@pytest.fixture
+def reference_fwd():
+    """``reference_fwd(q, k, v, **attention_kwargs) -> (o, lse)`` (float32)."""
+    return reference_forward
 
 
 @pytest.fixture
@@ -185,7 +213,7 @@ def kernel_vjp():
 
 def check_close(got, want, dtype, what: str = "", tol: float | None = None):
     """Asserts got is finite and within the dtype's relative tolerance of want."""
-    got = np.asarray(jnp.asarray(got).astype(jnp.float32))
+    got = np.asarray(got).astype(np.float32)
     want = np.asarray(want, dtype=np.float32)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != reference {want.shape}"
     assert np.all(np.isfinite(got)), f"{what}: {np.sum(~np.isfinite(got))} non-finite values"
