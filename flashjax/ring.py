@@ -1,0 +1,493 @@
+"""Context-parallel ring attention: the sequence split over devices, K/V passed round a ring.
+
+Each of the N devices on the mesh axis ``axis_name`` keeps its shard of the queries
+and, in N steps, sees every shard of the keys and values: at each step it attends
+its queries to the K/V block it holds (flash attention, with the logsumexp) while
+that block travels on to the next device with `jax.lax.ppermute`. The partial
+outputs are merged exactly through their logsumexps (the FlashAttention-2 online
+softmax, one level up)::
+
+    lse = logsumexp_s lse_s,    o = sum_s exp(lse_s - lse) * o_s
+
+The backward is a `jax.custom_vjp` of its own: the saved global (o, lse) let every
+device recompute the exact probabilities of each block, ``P = exp(S - lse)``, so the
+kernels' backward, given the global lse and ``delta = rowsum(dO * O) - dlse``, returns
+each block's exact share of dQ, dK and dV. dQ stays on its device; the dK/dV
+accumulators travel round the ring with their K/V block and come home at the end.
+
+Causal attention and load balance. With the sequence split in N contiguous shards,
+device r needs only the K/V of devices <= r: the last device does N times the work
+of the first. With ``load_balance=True`` the sequence axis is expected in **zig-zag
+order** (see `zigzag_order`): the sequence is cut in 2N chunks and device r holds
+chunks r and 2N-1-r, so that every device does the same work at every step:
+
+* step 0, its own block: plain causal attention on the local 2 chunks (in local
+  order, chunk r precedes chunk 2N-1-r, so the local causal mask is the global one);
+* a block from device j < r: all local queries attend the block's first chunk
+  (chunk j), nothing of its second (chunk 2N-1-j follows both query chunks);
+* a block from device j > r: the local second chunk (2N-1-r) attends the whole
+  block, the first chunk (r) sees none of it.
+
+Either way 2 chunk x chunk products per step, half of a full block. Masked work is
+skipped (`jax.lax.cond` on the device index), never computed and thrown away.
+
+Communication overlap: the ppermute of the next K/V block is issued before the
+current block's attention and nothing of that step reads its result, so XLA
+schedules it as an asynchronous collective-permute (start ... done) around the
+kernel. In the backward the accumulator sent after step s is only added to after
+step s+1's kernels, for the same reason. The ring is unrolled in Python (N is
+static and small), so each step's kernel and collectives are plain HLO ops the
+scheduler can reorder, with no while loop between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from flashjax import reference
+from flashjax.config import Config
+from flashjax.kernels import triton as triton_backend
+from flashjax.params import AttentionParams, Extras
+
+__all__ = ["ring_attention", "zigzag_order", "zigzag_restore"]
+
+RING_BACKENDS = ("auto", "triton", "xla")
+
+
+# ---- the zig-zag layout ---------------------------------------------------------------
+def _zigzag_chunks(n: int) -> np.ndarray:
+    """Chunk order of the zig-zag layout: [0, 2n-1, 1, 2n-2, ..., n-1, n]."""
+    return np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1).reshape(-1)
+
+
+def _permute_chunks(x, n: int, axis: int, order: np.ndarray):
+    axis = axis % x.ndim
+    length = x.shape[axis]
+    if length % (2 * n):
+        raise ValueError(
+            f"the zig-zag layout cuts the sequence in 2 * {n} = {2 * n} equal chunks; "
+            f"length {length} (axis {axis}) is not a multiple of {2 * n}."
+        )
+    chunks = x.reshape(*x.shape[:axis], 2 * n, length // (2 * n), *x.shape[axis + 1:])
+    index = (slice(None),) * axis + (jnp.asarray(order),)
+    # With an explicitly sharded sequence axis (jax.make_mesh's default), the chunk
+    # gather crosses devices: keep the input's layout rather than leave it ambiguous.
+    return chunks.at[index].get(out_sharding=jax.typeof(chunks).sharding).reshape(x.shape)
+
+
+def zigzag_order(x, n: int, axis: int = 1):
+    """Reorders a sequence axis from natural order into the zig-zag layout of `ring_attention`.
+
+    The sequence is cut in ``2n`` equal chunks and rearranged as chunks
+    ``[0, 2n-1, 1, 2n-2, ..., n-1, n]``; sharded in ``n`` equal parts over the
+    ring's mesh axis, device ``r`` then holds chunks ``r`` and ``2n-1-r``.
+
+    Apply it once to the model's inputs (token ids, positions for RoPE, labels), not
+    per layer: every position-wise layer is indifferent to the order, and attention
+    only needs to know the layout (``load_balance=True``).
+
+    Example::
+
+      tokens = zigzag_order(tokens, n, axis=1)            # [batch, seq]
+      positions = zigzag_order(jnp.arange(seq), n, axis=0)
+
+    Args:
+      x: an array with a sequence axis whose length is a multiple of ``2n``.
+      n: the number of devices on the ring's mesh axis.
+      axis: the sequence axis (1 for [batch, seq, ...]).
+
+    Returns:
+      ``x`` with the sequence axis permuted (same shape and dtype).
+    """
+    return _permute_chunks(x, n, axis, _zigzag_chunks(n))
+
+
+def zigzag_restore(x, n: int, axis: int = 1):
+    """The inverse of `zigzag_order`: from the zig-zag layout back to natural order.
+
+    Args:
+      x: an array whose ``axis`` is in zig-zag order for ``n`` devices.
+      n: the number of devices on the ring's mesh axis.
+      axis: the sequence axis.
+
+    Returns:
+      ``x`` with the sequence axis in natural order.
+    """
+    return _permute_chunks(x, n, axis, np.argsort(_zigzag_chunks(n)))
+
+
+# ---- the public function --------------------------------------------------------------
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    causal: bool = False,
+    scale: float | None = None,
+    load_balance: bool = True,
+    return_lse: bool = False,
+    batch_axis=None,
+    head_axis=None,
+    backend: str = "auto",
+    config: Config | None = None,
+):
+    """Exact attention with the sequence sharded over a mesh axis (context parallelism).
+
+    Call it with global arrays (inside or outside ``jit``); their sequence axis is
+    split in equal shards over ``axis_name`` (inputs laid out differently are
+    resharded to that by XLA). No device ever holds more than its query shard and
+    two K/V blocks. Differentiable in q, k, v (and through the lse).
+
+    Example::
+
+      mesh = jax.make_mesh((4,), ("sp",))
+      n = mesh.shape["sp"]
+      q, k, v = (zigzag_order(x, n) for x in (q, k, v))   # once, on the model inputs
+      out = ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True)
+      out = zigzag_restore(out, n)                       # natural order again
+
+    Args:
+      q: queries [batch, seq, heads, head_dim].
+      k, v: keys and values [batch, kv_seq, kv_heads, head_dim]; ``kv_heads``
+        divides ``heads`` (GQA). ``kv_seq == seq`` when ``causal``.
+      mesh: the device mesh.
+      axis_name: the mesh axis the sequence is sharded over (the ring).
+      causal: causal self-attention over the global positions.
+      scale: logit scale; defaults to ``1 / sqrt(head_dim)``.
+      load_balance: with ``causal=True``, the sequence axis of q, k, v (and of the
+        output) is in the zig-zag layout of `zigzag_order` (every device does equal
+        work); with ``False`` it is in natural order (device r holds the r-th
+        contiguous shard and the last device does N times the work of the first).
+        Without ``causal`` the layout does not matter and this is ignored.
+      return_lse: also return the logsumexp [batch, heads, seq] (float32, natural
+        log), in the same sequence layout as the output.
+      batch_axis, head_axis: optional further mesh axes (names or tuples of names)
+        for the batch and head dimensions (data/head parallelism on top of the
+        ring); kv_heads must be divisible by the head axis size too.
+      backend: ``"auto"`` / ``"triton"`` (the Pallas kernels, interpret mode
+        without a GPU) or ``"xla"`` (pure-JAX blocks, materialising each block's
+        scores: for checking and small CPU runs).
+      config: kernel tiling for the per-block calls; ``None`` = tuned default.
+
+    Returns:
+      The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
+      the lse [batch, heads, seq] with ``return_lse=True``).
+
+    Raises:
+      ValueError: for inconsistent shapes, unknown mesh axes, sizes that do not
+        divide, or bad options; the message says what to change.
+    """
+    ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config)
+    o, lse = _ring_jit(ring, q, k, v)
+    return (o, lse) if return_lse else o
+
+
+# ---- static description of one call ---------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Everything static about a ring call (hashable: a jit static and custom_vjp nondiff arg)."""
+
+    mesh: Mesh
+    axis_name: str
+    size: int  # devices on the ring
+    causal: bool
+    zigzag: bool  # causal with the zig-zag layout
+    scale: float
+    batch_axis: object
+    head_axis: object
+    backend: str  # "triton" or "xla"
+    config: Config | None
+    interpret: bool
+
+    @property
+    def qkv_spec(self):
+        return P(self.batch_axis, self.axis_name, self.head_axis, None)
+
+    @property
+    def lse_spec(self):
+        return P(self.batch_axis, self.head_axis, self.axis_name)
+
+    def params(self, causal: bool) -> AttentionParams:
+        return AttentionParams(
+            scale=self.scale, causal=causal, config=self.config, backend="triton", interpret=self.interpret
+        )
+
+
+def _axis_size(mesh: Mesh, axis, what: str) -> int:
+    if axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    for name in names:
+        if name not in mesh.shape:
+            raise ValueError(f"{what} {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config) -> _Ring:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got {getattr(x, 'shape', x)!r}.")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"inconsistent shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}.")
+    if len({jnp.dtype(x.dtype) for x in (q, k, v)}) != 1:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}).")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if not isinstance(axis_name, str) or axis_name not in mesh.shape:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
+    n = mesh.shape[axis_name]
+    n_batch = _axis_size(mesh, batch_axis, "batch_axis")
+    n_head = _axis_size(mesh, head_axis, "head_axis")
+    used = [axis_name] + [a for ax in (batch_axis, head_axis) if ax is not None for a in (ax if isinstance(ax, tuple) else (ax,))]
+    if len(set(used)) != len(used):
+        raise ValueError(f"axis_name, batch_axis and head_axis must be distinct mesh axes, got {used}.")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}.")
+    if causal and seq_q != seq_k:
+        raise ValueError(f"causal ring attention is self-attention: q and k need the same length, got {seq_q} and {seq_k}.")
+    zigzag = causal and bool(load_balance)
+    parts = 2 * n if zigzag else n
+    for name, length in (("q", seq_q), ("k", seq_k)):
+        if length % parts:
+            layout = f"the zig-zag layout (2 chunks per device, {n} devices)" if zigzag else f"{n} equal shards"
+            raise ValueError(f"{name}'s sequence length {length} must be a multiple of {parts} for {layout}.")
+    if batch % n_batch:
+        raise ValueError(f"batch {batch} is not divisible by the batch_axis size {n_batch}.")
+    if heads % n_head or kv_heads % n_head:
+        raise ValueError(
+            f"heads ({heads}) and kv_heads ({kv_heads}) must both be divisible by the head_axis size {n_head} "
+            "(each device keeps whole query groups with their K/V head)."
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
+        raise ValueError(f"scale must be a Python number > 0, got {scale!r}.")
+    if backend not in RING_BACKENDS:
+        raise ValueError(f"backend must be one of {RING_BACKENDS} for ring_attention, got {backend!r}.")
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"config must be a flashjax.Config or None, got {type(config).__name__}.")
+    platform = mesh.devices.flat[0].platform
+    return _Ring(
+        mesh=mesh, axis_name=axis_name, size=n, causal=causal, zigzag=zigzag, scale=float(scale),
+        batch_axis=batch_axis, head_axis=head_axis, backend="xla" if backend == "xla" else "triton",
+        config=config if config is not None else Config.default(head_dim, q.dtype),
+        interpret=platform != "gpu",
+    )
+
+
+# ---- one block: the kernels, or plain JAX ---------------------------------------------
+def _block_forward(ring: _Ring, q, k, v, causal: bool):
+    """(o [B, Tq, H, D] float32, lse [B, H, Tq]) of q attending one K/V block."""
+    if ring.backend == "xla":
+        o, lse = reference.attention(q, k, v, causal=causal, scale=ring.scale, return_lse=True)
+    else:
+        o, lse = triton_backend.forward(q, k, v, Extras(), ring.params(causal))
+    return o.astype(jnp.float32), lse
+
+
+def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool):
+    """This block's share of (dq, dk, dv), float32, given the *global* o and lse."""
+    if ring.backend == "xla":
+        return _xla_block_backward(q, k, v, o, lse, do, dlse, causal, ring.scale)
+    dq, dk, dv, _ = triton_backend.backward(q, k, v, o, lse, do, dlse, Extras(), ring.params(causal))
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
+def _xla_block_backward(q, k, v, o, lse, do, dlse, causal: bool, scale: float):
+    """The FlashAttention backward for one block in plain JAX (float32, scores materialised)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    hp = jax.lax.Precision.HIGHEST
+    qg = f32(q).reshape(batch, seq_q, kv_heads, group, head_dim)
+    dog = f32(do).reshape(qg.shape)
+    s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, f32(k), precision=hp)
+    lse_g = lse.reshape(batch, kv_heads, group, seq_q, 1)
+    allowed = reference.logits_mask(batch, seq_q, seq_k, causal=causal)[:, :, None]
+    # Rows with lse = -inf see no key anywhere: P = 0 (never exp(-inf + inf)).
+    p = jnp.where(allowed & (lse_g > -jnp.inf), jnp.exp(s - jnp.where(lse_g > -jnp.inf, lse_g, 0.0)), 0.0)
+    delta = jnp.einsum("bqhd,bqhd->bhq", f32(o), f32(do)) - dlse
+    delta = delta.reshape(batch, kv_heads, group, seq_q, 1)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, f32(v), precision=hp)
+    ds = p * (dp - delta)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=hp)
+    dk = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=hp)
+    dq = scale * jnp.einsum("bhgqk,bkhd->bqhgd", ds, f32(k), precision=hp).reshape(q.shape)
+    return dq, dk, dv
+
+
+# ---- one ring step: which part of the block this device's queries see ----------------
+def _visible_earlier(ring: _Ring, step: int):
+    """True when the block held at `step` (> 0) comes from a device before this one.
+
+    At step s device r holds the block of device (r - s) mod N, which precedes r
+    exactly when s <= r.
+    """
+    return step <= jax.lax.axis_index(ring.axis_name)
+
+
+def _step_forward(ring: _Ring, step: int, q, k, v):
+    """(o, lse) of the local queries against the K/V block held at `step`; masked work skipped."""
+    if not ring.causal:
+        return _block_forward(ring, q, k, v, False)
+    if step == 0:
+        return _block_forward(ring, q, k, v, True)
+    if not ring.zigzag:
+        # A whole earlier block is visible; a later one is invisible: no kernel call at all.
+        empty = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.full(_lse_shape(q), -jnp.inf, jnp.float32))
+        return jax.lax.cond(_visible_earlier(ring, step), lambda: _block_forward(ring, q, k, v, False), empty)
+    c = q.shape[1] // 2
+
+    def earlier():  # every local query sees the block's first chunk, none sees its second
+        return _block_forward(ring, q, k[:, :c], v[:, :c], False)
+
+    def later():  # only the local second chunk sees the block, all of it
+        o2, lse2 = _block_forward(ring, q[:, c:], k, v, False)
+        o1 = jnp.zeros_like(o2)
+        lse1 = jnp.full_like(lse2, -jnp.inf)
+        return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=2)
+
+    return jax.lax.cond(_visible_earlier(ring, step), earlier, later)
+
+
+def _step_backward(ring: _Ring, step: int, q, k, v, o, lse, do, dlse):
+    """(dq, dk, dv) shares of the block held at `step`, mirroring `_step_forward`."""
+    if not ring.causal:
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, False)
+    if step == 0:
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, True)
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    if not ring.zigzag:
+        full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False)
+        return jax.lax.cond(_visible_earlier(ring, step), full, lambda: (zeros(q), zeros(k), zeros(v)))
+    c = q.shape[1] // 2
+
+    def earlier():
+        dq, dk1, dv1 = _block_backward(ring, q, k[:, :c], v[:, :c], o, lse, do, dlse, False)
+        return dq, jnp.concatenate([dk1, zeros(dk1)], axis=1), jnp.concatenate([dv1, zeros(dv1)], axis=1)
+
+    def later():
+        dq2, dk, dv = _block_backward(
+            ring, q[:, c:], k, v, o[:, c:], lse[:, :, c:], do[:, c:], dlse[:, :, c:], False
+        )
+        return jnp.concatenate([zeros(dq2), dq2], axis=1), dk, dv
+
+    return jax.lax.cond(_visible_earlier(ring, step), earlier, later)
+
+
+def _lse_shape(q):
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two partial attentions over disjoint key sets (o float32 [B,T,H,D], lse [B,H,T])."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    # Rows that no key reached yet keep lse = -inf and o = 0: shift by 0, not by -inf.
+    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    weight = lambda part: jnp.transpose(jnp.exp(part - safe), (0, 2, 1))[..., None]
+    return weight(lse_a) * o_a + weight(lse_b) * o_b, lse
+
+
+def _shift(ring: _Ring, x):
+    """Sends x to the next device on the ring (device r receives from r - 1)."""
+    n = ring.size
+    return jax.lax.ppermute(x, ring.axis_name, [(i, (i + 1) % n) for i in range(n)])
+
+
+# ---- the ring, per device ---------------------------------------------------------------
+def _local_forward(ring: _Ring, q, k, v):
+    kv = (k, v)
+    o = lse = None
+    for step in range(ring.size):
+        # Issued before this step's attention, which does not read it: the transfer
+        # of the next block overlaps the kernel.
+        incoming = _shift(ring, kv) if step < ring.size - 1 else None
+        o_s, lse_s = _step_forward(ring, step, q, *kv)
+        o, lse = (o_s, lse_s) if o is None else _merge(o, lse, o_s, lse_s)
+        kv = incoming
+    return o.astype(q.dtype), lse
+
+
+def _local_backward(ring: _Ring, q, k, v, o, lse, do, dlse):
+    kv = (k, v)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    arriving = None  # the dK/dV accumulator of the block now held, sent by the previous device
+    for step in range(ring.size):
+        incoming = _shift(ring, kv) if step < ring.size - 1 else None
+        dq_s, dk_s, dv_s = _step_backward(ring, step, q, *kv, o, lse, do, dlse)
+        dq = dq + dq_s
+        # The accumulator is added to only after this step's kernels, so its transfer
+        # (sent at the end of the previous step) overlaps them.
+        acc = (dk_s, dv_s) if arriving is None else (arriving[0] + dk_s, arriving[1] + dv_s)
+        # After N sends the accumulator of block r is back on device r.
+        arriving = _shift(ring, acc)
+        kv = incoming
+    dk, dv = arriving
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---- global arrays: shard_map, custom_vjp, jit --------------------------------------------
+def _sharded(ring: _Ring, fn, in_specs, out_specs):
+    # check_vma=False: the Pallas call inside has no varying-manual-axes rule; every
+    # output is explicitly per-device anyway.
+    return jax.shard_map(
+        functools.partial(fn, ring), mesh=ring.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+
+
+def _place(ring: _Ring, x, spec):
+    """Lays x out as `spec` on the mesh (a no-op when it already is)."""
+    sharding = NamedSharding(ring.mesh, spec)
+    if any(t == AxisType.Explicit for t in ring.mesh.axis_types):
+        # Explicit-sharding meshes (jax.make_mesh's default) type arrays by their
+        # sharding; shard_map wants its inputs typed exactly as its in_specs.
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _forward_global(ring: _Ring, q, k, v):
+    spec = ring.qkv_spec
+    q, k, v = (_place(ring, x, spec) for x in (q, k, v))
+    return _sharded(ring, _local_forward, (spec, spec, spec), (spec, ring.lse_spec))(q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v):
+    return _forward_global(ring, q, k, v)
+
+
+def _ring_fwd(ring: _Ring, q, k, v):
+    o, lse = _forward_global(ring, q, k, v)
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _ring_bwd(ring: _Ring, residuals, cotangents):
+    do, dlse = cotangents
+    spec, lse_spec = ring.qkv_spec, ring.lse_spec
+    specs = (spec,) * 4 + (lse_spec, spec, lse_spec)
+    args = (*residuals, do.astype(residuals[3].dtype), dlse)
+    args = [_place(ring, x, s) for x, s in zip(args, specs)]
+    return _sharded(ring, _local_backward, specs, (spec, spec, spec))(*args)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ring_jit(ring: _Ring, q, k, v):
+    return _ring(ring, q, k, v)

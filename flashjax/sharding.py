@@ -1,0 +1,218 @@
+"""Data and head parallelism: `flash_attention` run shard by shard, with no gather.
+
+Attention is independent across batch rows and heads, so a batch- or head-sharded
+call needs no communication at all: every device runs the kernels on its own
+shard. `sharded_flash_attention` states that to JAX with `jax.shard_map`; the
+kernels, their `custom_vjp` and the backward run per shard, and the only
+collective left is the sum of a broadcast bias's gradient over the shards that
+share it.
+
+Why not let plain `flash_attention` under `jit` follow its inputs' sharding? The
+kernel is a `pallas_call` (a Triton custom call on the GPU) that XLA's SPMD
+partitioner cannot see into: it gathers the operands and runs the whole problem
+on every device. `jax.experimental.custom_partitioning` can teach it a rule, but
+in JAX 0.11.2 that means a Shardy rule plus a partition callback for the forward
+*and* for the backward (the rule applies to a primitive, not through
+`custom_vjp`), Python callbacks at compile time (no AOT export or persistent cache
+of the partitioned program), and an API still marked experimental. `shard_map` is
+stable, composes with `grad`, `vmap` and `jit`, and its cost is visible: a
+reshard of inputs laid out differently, which XLA inserts before the call.
+
+Sequence sharding is a different algorithm (keys live on other devices): use
+`flashjax.ring.ring_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from flashjax.api import flash_attention
+
+__all__ = ["sharded_flash_attention"]
+
+# Keyword arguments of `flash_attention` that are arrays, by how they are sharded.
+_BATCH_ARRAYS = ("q_lengths", "kv_lengths")
+_PAIR_ARRAYS = ("bias", "mask")  # broadcastable to [batch, heads, q_len, kv_len]
+
+
+def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=None, **kwargs):
+    """`flashjax.flash_attention` on batch- and/or head-sharded arrays, each device on its shard.
+
+    Forward and backward run the kernels per shard with no all-gather of q, k or v.
+    Call it on global arrays, inside or outside ``jit``; arrays laid out
+    differently are resharded by XLA to the layout below.
+
+    Example::
+
+      mesh = jax.make_mesh((2, 2), ("data", "model"))
+      out = sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data",
+                                    head_axis="model", causal=True)
+
+    Args:
+      q: queries [batch, q_len, heads, head_dim].
+      k, v: keys and values [batch, kv_len, kv_heads, head_dim].
+      mesh: the device mesh.
+      batch_axis: mesh axis name (or tuple of names) that splits the batch, or None.
+      head_axis: mesh axis name (or tuple of names) that splits the heads, or None.
+        With GQA/MQA both ``heads`` and ``kv_heads`` are split by it, so every
+        device keeps whole query groups with their K/V head.
+      **kwargs: any other argument of `flashjax.flash_attention`. Per-batch arrays
+        (``segment_ids``, ``q_lengths``, ``kv_lengths``) follow ``batch_axis``;
+        ``bias``/``mask`` follow the batch and head axes along the dims they are
+        not broadcast over; ``alibi_slopes`` follows ``head_axis``. Dropout draws an
+        independent mask per shard (the key is folded with the shard index), so
+        its bits differ from an unsharded call unless ``broadcast_dropout=True``.
+
+    Returns:
+      The output [batch, q_len, heads, head_dim] sharded as
+      ``P(batch_axis, None, head_axis, None)`` (and with ``return_lse=True`` the lse
+      [batch, heads, q_len] sharded as ``P(batch_axis, head_axis, None)``).
+
+    Raises:
+      ValueError: when neither axis is given, an axis is not on the mesh, a size
+        does not divide, or q/k/v arrive sharded along the sequence or head_dim
+        (use `flashjax.ring.ring_attention` for the sequence).
+    """
+    _check(q, k, v, mesh, batch_axis, head_axis)
+    spec = P(batch_axis, None, head_axis, None)
+    lse_spec = P(batch_axis, head_axis, None)
+    names, arrays, specs = [], [], []
+    static = {}
+    for name, value in kwargs.items():
+        array_spec = _kwarg_spec(name, value, q.shape[0], q.shape[2], batch_axis, head_axis)
+        if array_spec is None:
+            static[name] = value
+        else:
+            value, array_spec = array_spec
+            names.append(name)
+            arrays.append(value)
+            specs.append(array_spec)
+    return_lse = bool(static.get("return_lse", False))
+    fold_dropout = static.get("dropout_rate", 0.0) > 0.0 and not static.get("broadcast_dropout", False)
+
+    def local(q, k, v, *local_arrays):
+        options = dict(static, **dict(zip(names, local_arrays)))
+        if fold_dropout:
+            # The kernels' dropout hash sees local batch/head indices: without this
+            # every shard would draw the same mask.
+            options["dropout_rng"] = jax.random.fold_in(options["dropout_rng"], _shard_index(mesh, batch_axis, head_axis))
+        return flash_attention(q, k, v, **options)
+
+    out_specs = (spec, lse_spec) if return_lse else spec
+    in_specs = (spec, spec, spec, *specs)
+    args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays), in_specs)]
+    # check_vma=False: the Pallas call has no varying-manual-axes rule. Inputs with a
+    # replicated spec (a bias broadcast over the batch) then get their cotangents
+    # summed over the devices by shard_map's transpose, which is what their
+    # broadcast means.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def _axis_names(axis) -> tuple[str, ...]:
+    if axis is None:
+        return ()
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+    return math.prod(mesh.shape[name] for name in _axis_names(axis))
+
+
+def _shard_index(mesh: Mesh, batch_axis, head_axis):
+    """This device's linear index over the batch and head axes."""
+    index = 0
+    for name in _axis_names(batch_axis) + _axis_names(head_axis):
+        index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return index
+
+
+def _input_spec(x):
+    """The PartitionSpec x is known to have (concrete arrays, explicit-sharding tracers), else None."""
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+    if sharding is None:
+        try:
+            sharding = jax.typeof(x).sharding
+        except (AttributeError, TypeError):
+            return None
+    return getattr(sharding, "spec", None)
+
+
+def _check(q, k, v, mesh, batch_axis, head_axis):
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if batch_axis is None and head_axis is None:
+        raise ValueError(
+            "sharded_flash_attention needs batch_axis and/or head_axis; to shard the sequence use "
+            "flashjax.ring.ring_attention."
+        )
+    used = _axis_names(batch_axis) + _axis_names(head_axis)
+    for name in used:
+        if name not in mesh.shape:
+            raise ValueError(f"mesh axis {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
+    if len(set(used)) != len(used):
+        raise ValueError(f"batch_axis and head_axis must name distinct mesh axes, got {batch_axis!r} and {head_axis!r}.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got {getattr(x, 'shape', x)!r}.")
+        spec = _input_spec(x)
+        if spec is None:
+            continue
+        spec = tuple(spec) + (None,) * (4 - len(spec))
+        if spec[1] is not None:
+            raise ValueError(
+                f"{name} is sharded along the sequence (spec {P(*spec)}): sharded_flash_attention splits only "
+                "batch and heads; use flashjax.ring.ring_attention for sequence (context) parallelism, or "
+                "reshard the sequence axis to None."
+            )
+        if spec[3] is not None:
+            raise ValueError(
+                f"{name} is sharded along head_dim (spec {P(*spec)}): every head needs its whole head_dim; "
+                "shard the heads (head_axis) instead."
+            )
+    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    n_batch, n_head = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
+    if batch % n_batch:
+        raise ValueError(f"batch {batch} is not divisible by the size {n_batch} of batch_axis {batch_axis!r}.")
+    if heads % n_head or kv_heads % n_head:
+        raise ValueError(
+            f"heads ({heads}) and kv_heads ({kv_heads}) must both be divisible by the size {n_head} of head_axis "
+            f"{head_axis!r}: each device keeps whole query groups with their K/V head. Shard fewer ways or "
+            "replicate the K/V heads."
+        )
+
+
+def _kwarg_spec(name, value, batch, heads, batch_axis, head_axis):
+    """(array, spec) for an array argument of flash_attention, None for a static one."""
+    if value is None:
+        return None
+    if name == "segment_ids":
+        if isinstance(value, (tuple, list)):
+            return tuple(value), (P(batch_axis, None), P(batch_axis, None))
+        return value, P(batch_axis, None)
+    if name in _BATCH_ARRAYS:
+        return value, P(batch_axis)
+    if name == "alibi_slopes":
+        return value, P(head_axis)
+    if name == "dropout_rng":
+        return value, P()
+    if name in _PAIR_ARRAYS and hasattr(value, "ndim") and value.ndim <= 4:
+        full = value.reshape((1,) * (4 - value.ndim) + tuple(value.shape))
+        dim_b, dim_h = full.shape[0], full.shape[1]
+        return full, P(batch_axis if dim_b == batch and dim_b > 1 else None,
+                       head_axis if dim_h == heads and dim_h > 1 else None, None, None)
+    return None
+
+
+def _place(mesh: Mesh, x, spec):
+    """Lays x (an array or a pair of arrays) out as spec on the mesh."""
+    if isinstance(x, tuple):
+        return tuple(_place(mesh, a, s) for a, s in zip(x, spec))
+    sharding = NamedSharding(mesh, spec)
+    if mesh.explicit_axes:
+        # Explicit-sharding meshes type arrays by their layout; shard_map wants its
+        # inputs typed exactly as its in_specs.
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,112 @@
+"""Batch/head-sharded attention (`flashjax.sharding`) against the single-device reference.
+
+The multi-device bodies (`check_*`) run on 4 CPU devices in a subprocess (see
+tests/multidevice.py for why); the Pallas kernels run in interpret mode there.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import check_close, check_lse
+from flashjax import reference
+from flashjax.sharding import sharded_flash_attention
+from multidevice import DEVICES, run_on_devices
+
+
+def check_sharded(*, seed, mesh_shape, batch_axis, head_axis, batch=4, seq=64, heads=4, kv_heads=4, head_dim=32,
+                  causal=False, dtype="float32", extras=False):
+    """Output, lse and gradients equal the reference's; the compiled program gathers nothing.
+
+    With ``extras``: a bias broadcast over the batch (its gradient sums over the batch
+    shards), segment ids and key lengths, all sharded along with q, k, v.
+    """
+    dtype = jnp.dtype(dtype)
+    mesh = jax.make_mesh(mesh_shape, ("data", "model")[: len(mesh_shape)])
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape, dt=dtype: jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+    q, do = draw(batch, seq, heads, head_dim), draw(batch, seq, heads, head_dim)
+    k, v = draw(batch, seq, kv_heads, head_dim), draw(batch, seq, kv_heads, head_dim)
+    dlse = draw(batch, heads, seq, dt=jnp.float32)
+    arrays = {}
+    if extras:
+        arrays = dict(
+            bias=draw(1, heads, seq, seq, dt=jnp.float32),
+            segment_ids=jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq)), axis=1), jnp.int32),
+            kv_lengths=jnp.asarray(rng.integers(seq // 2, seq + 1, (batch,)), jnp.int32),
+        )
+    diff = ("bias",) if extras else ()
+
+    def sharded(q, k, v, *diff_arrays):
+        kwargs = dict(arrays, **dict(zip(diff, diff_arrays)))
+        return sharded_flash_attention(
+            q, k, v, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis, causal=causal,
+            return_lse=True, backend="triton", **kwargs,
+        )
+
+    def oracle(q, k, v, *diff_arrays):
+        kwargs = dict(arrays, **dict(zip(diff, diff_arrays)))
+        up = lambda x: x.astype(jnp.float32)
+        return reference.attention(up(q), up(k), up(v), causal=causal, return_lse=True, **kwargs)
+
+    def vjp(fn, *primals):
+        (o, lse), pullback = jax.vjp(fn, *primals)
+        return (o, lse, *pullback((do.astype(o.dtype), dlse)))
+
+    spec = jax.sharding.PartitionSpec(batch_axis, None, head_axis, None)
+    place = lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    primals = (place(q), place(k), place(v), *(arrays[name] for name in diff))
+    # Compiled once, both to run and to read the program (a second .lower() would recompile).
+    step = jax.jit(lambda *p: vjp(sharded, *p)).lower(*primals).compile()
+    got = step(*primals)
+    want = jax.jit(lambda *p: vjp(oracle, *p))(q, k, v, *(arrays[name] for name in diff))
+    names = ("o", "lse", "dq", "dk", "dv", *(f"d{name}" for name in diff))
+    for name, g, w in zip(names, got, want):
+        if name == "lse":
+            check_lse(g, w, dtype)
+        else:
+            check_close(g, w, dtype, name)
+    # The output stays sharded as the inputs: no device holds the whole result.
+    assert got[0].sharding.spec == spec, got[0].sharding
+    assert "all-gather" not in step.as_text(), "the sharded program gathers q, k or v"
+
+
+def check_errors():
+    """Sequence or head_dim sharding, GQA head counts that do not divide: ValueErrors that say what to do."""
+    mesh = jax.make_mesh((DEVICES,), ("x",))
+    P = jax.sharding.PartitionSpec
+    q = jnp.zeros((4, 16, 4, 16))
+    for spec, message in ((P(None, "x"), "ring_attention"), (P(None, None, None, "x"), "head_dim")):
+        sharded = jax.device_put(q, jax.sharding.NamedSharding(mesh, spec))
+        with pytest.raises(ValueError, match=message):
+            sharded_flash_attention(sharded, sharded, sharded, mesh=mesh, batch_axis="x")
+    kv = jnp.zeros((4, 16, 2, 16))
+    with pytest.raises(ValueError, match="kv_heads"):
+        sharded_flash_attention(q, kv, kv, mesh=mesh, head_axis="x")
+    with pytest.raises(ValueError, match="batch_axis and/or head_axis"):
+        sharded_flash_attention(q, q, q, mesh=mesh)
+    with pytest.raises(ValueError, match="not an axis"):
+        sharded_flash_attention(q, q, q, mesh=mesh, batch_axis="data")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(mesh_shape=(DEVICES,), batch_axis="data", head_axis=None, causal=True),
+        dict(mesh_shape=(DEVICES,), batch_axis=None, head_axis="data", heads=8, kv_heads=4, head_dim=64),
+        dict(mesh_shape=(2, 2), batch_axis="data", head_axis="model", heads=4, kv_heads=2, extras=True),
+        dict(mesh_shape=(2, 2), batch_axis=("data", "model"), head_axis=None, dtype="bfloat16", causal=True),
+    ],
+    ids=["batch-causal", "heads-gqa", "batch-heads-extras", "batch-two-axes-bf16"],
+)
+def test_sharded_matches_reference(case, request):
+    run_on_devices(__file__, "check_sharded", seed=zlib.crc32(request.node.nodeid.encode()), **case)
+
+
+def test_sharded_errors():
+    run_on_devices(__file__, "check_errors")
