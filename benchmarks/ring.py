@@ -1,0 +1,198 @@
+"""Ring attention over all visible GPUs against flash attention on one GPU.
+
+    python benchmarks/ring.py                          # T = 32k, 64k, 128k; ~5-7 min on 2 H200s
+    python benchmarks/ring.py --seqlens 32768 --reps 3
+    python benchmarks/ring.py --smoke                  # CPU: 2 host devices, tiny, interpret mode
+
+Problem: bfloat16, B = 1, H = 16, D = 128, self-attention of length T, causal (the
+ring with zig-zag load balance) and not. Rows: "single" is `flash_attention` on
+one GPU with the whole sequence; "ring" is `flashjax.ring.ring_attention` with the
+sequence sharded over the N visible GPUs. FLOPs follow BRIEF.md (4*B*H*T*T*D forward,
+halved when causal, x3.5 for forward+backward); TFLOP/s per GPU divides the ring's
+by N, and the scaling efficiency is the ring's per-GPU TFLOP/s over the single GPU's.
+Each cell is compiled once, checked against the float32 reference on the last
+query rows (output, or dq for forward+backward), warmed up, then timed as the
+median of `--reps` calls ended by `block_until_ready`. Cells past the time budget
+(`--budget`, default 420 s) are recorded as skipped, so the run stays under 8 minutes.
+
+Writes benchmarks/results/ring-<device>-x<N>.json and prints a table.
+
+NCCL_NVLS_ENABLE=0 is set before JAX starts: NCCL's NVLink SHARP (multicast)
+collectives can put the shared GPUs of a host out of service for a long time on
+the machines we benchmark on; point-to-point ppermute gains nothing from them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # before jax (and NCCL) load: see the docstring
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import device_slug, flops, median_time, rel_err  # noqa: E402  (the BRIEF.md protocol)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SEQLENS = (32768, 65536, 131072)
+HEADS, HEAD_DIM = 16, 128
+CHECK_ROWS = 128  # last query rows compared with the float32 reference
+CHECK_HEADS = 2
+TOLERANCE = 2e-2
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="comma-separated T")
+    p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
+    p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    p.add_argument("--reps", type=int, default=5, help="timed calls per cell (median)")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds; later cells are skipped")
+    p.add_argument("--out", default=None, help="output .json (default benchmarks/results/ring-<device>-x<N>.json)")
+    p.add_argument("--smoke", action="store_true", help="CPU check of the script: 2 host devices, tiny shapes")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import flashjax
+    from flashjax import reference
+    from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
+
+    heads, head_dim, dtype = (2, 32, jnp.float32) if args.smoke else (HEADS, HEAD_DIM, jnp.bfloat16)
+    seqlens = [256] if args.smoke else [int(t) for t in args.seqlens.split(",")]
+    modes = args.modes.split(",")
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    devices = jax.devices()
+    n = len(devices)
+    device = devices[0].device_kind
+    mesh = jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Auto,))
+    seq_sharding = NamedSharding(mesh, P(None, "sp", None, None))
+    one_gpu = jax.sharding.SingleDeviceSharding(devices[0])
+    backend = "triton" if args.smoke else "auto"
+    start = time.perf_counter()
+    entries = []
+
+    def attend(impl, causal):
+        if impl == "single":
+            return lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, backend=backend)
+        # Causal inputs arrive in zig-zag order (see below); the check restores the output.
+        return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=causal, backend=backend)
+
+    def timed(fn, mode):
+        if mode == "fwd":
+            return lambda q, k, v, do: fn(q, k, v)
+        loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    for seq in seqlens:
+        key = jax.random.split(jax.random.key(seq), 4)
+        shape = (1, seq, heads, head_dim)
+        host = [jax.random.normal(kk, shape, dtype) for kk in key]
+        for causal in causals:
+            expected = {}
+            for mode in modes:
+                for impl in ("single", "ring"):
+                    entry = dict(impl=impl, seq=seq, causal=causal, mode=mode, devices=1 if impl == "single" else n,
+                                 heads=heads, head_dim=head_dim, dtype=jnp.dtype(dtype).name)
+                    entries.append(entry)
+                    if time.perf_counter() - start > args.budget:
+                        entry["status"] = "skipped (time budget)"
+                        continue
+                    try:
+                        sharding = one_gpu if impl == "single" else seq_sharding
+                        inputs = host
+                        if impl == "ring" and causal:  # the layout load balancing expects
+                            inputs = [zigzag_order(x, n) for x in host]
+                        q, k, v, do = (jax.device_put(x, sharding) for x in inputs)
+                        compiled = jax.jit(timed(attend(impl, causal), mode)).lower(q, k, v, do).compile()
+                        result = compiled(q, k, v, do)
+                        got = result if mode == "fwd" else result[0]
+                        if impl == "ring" and causal:
+                            got = zigzag_restore(got, n)
+                        if mode not in expected:
+                            expected[mode] = _reference_rows(reference, jnp, jax, host, causal, mode)
+                        entry["rel_err"] = rel_err(np.asarray(got[:1, -CHECK_ROWS:, :CHECK_HEADS], np.float32), expected[mode])
+                        del result, got
+                        seconds, times, _ = median_time(lambda: compiled(q, k, v, do), jax.block_until_ready,
+                                                        reps=args.reps, warmup=1)
+                        total = flops(1, heads, seq, seq, head_dim, causal, mode)
+                        per_gpu = total / entry["devices"] / seconds / 1e12
+                        entry.update(status="ok" if entry["rel_err"] <= TOLERANCE else "wrong", seconds=seconds,
+                                     times=times, tflops_per_gpu=per_gpu)
+                    except Exception as e:  # recorded, never a crash: the other cells still run
+                        entry.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                    print(_row(entry), flush=True)
+                _efficiency(entries[-2:])
+
+    report = dict(
+        device=device, devices=n, jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+        nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"], wall_seconds=time.perf_counter() - start, entries=entries,
+    )
+    out = Path(args.out) if args.out else RESULTS_DIR / f"ring-{device_slug(device)}-x{n}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print()
+    print(_table(entries, n))
+    print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
+
+
+def _reference_rows(reference, jnp, jax, host, causal, mode):
+    """The float32 reference's output (or dq) for the last CHECK_ROWS queries of the first heads.
+
+    Causal masks are aligned bottom-right, so the last rows against all keys see exactly
+    the keys they see in the full problem.
+    """
+    q, k, v, do = (x[:1, :, :CHECK_HEADS].astype(jnp.float32) for x in host)
+    q, do = q[:, -CHECK_ROWS:], do[:, -CHECK_ROWS:]
+    fn = lambda q_: reference.attention(q_, k, v, causal=causal)
+    if mode == "fwd":
+        return np.asarray(jax.jit(fn)(q))
+    out, pullback = jax.vjp(fn, q)
+    return np.asarray(pullback(do)[0])
+
+
+def _efficiency(pair):
+    single, ring = pair
+    if single.get("status") == "ok" and ring.get("status") == "ok":
+        ring["efficiency"] = ring["tflops_per_gpu"] / single["tflops_per_gpu"]
+        ring["speedup"] = single["seconds"] / ring["seconds"]
+
+
+def _row(e) -> str:
+    what = f"T={e['seq']:>6} {'causal' if e['causal'] else 'full  '} {e['mode']:<6} {e['impl']:<6} x{e['devices']}"
+    if e.get("status") not in ("ok", "wrong"):
+        return f"{what}  {e.get('status')} {e.get('error', '')}"
+    return (f"{what}  {e['seconds'] * 1e3:9.1f} ms  {e['tflops_per_gpu']:6.1f} TF/s/GPU  err {e['rel_err']:.1e}"
+            + ("" if e["status"] == "ok" else "  WRONG"))
+
+
+def _table(entries, n) -> str:
+    lines = [f"| T | causal | mode | 1 GPU ms | 1 GPU TF/s | ring x{n} ms | ring TF/s/GPU | speed-up | efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for single, ring in zip(entries[0::2], entries[1::2]):
+        cell = lambda e, k, f: f.format(e[k]) if k in e else e.get("status", "-")
+        lines.append(
+            f"| {single['seq']} | {'yes' if single['causal'] else 'no'} | {single['mode']} | "
+            f"{cell(single, 'seconds', '{:.4f}')} | {cell(single, 'tflops_per_gpu', '{:.0f}')} | "
+            f"{cell(ring, 'seconds', '{:.4f}')} | {cell(ring, 'tflops_per_gpu', '{:.0f}')} | "
+            f"{cell(ring, 'speedup', '{:.2f}x')} | {cell(ring, 'efficiency', '{:.0%}')} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
