@@ -30,16 +30,8 @@ SHAPES = {
     "d256": ((1, 20, 24, 2, 1, 256), (F32, BF16)),
     "d40": ((1, 19, 19, 2, 2, 40), (F32,)),
 }
-# Bug in flashjax/kernels/triton.py `backward`: lse2 and delta are padded with
-# `_pad_axis`, which leaves an axis of size 1 alone (it takes it for a broadcast
-# axis), so with seq_q == 1 they stay length 1 while the dK/dV kernel reads a whole
-# query tile of them: out-of-bounds rows give NaN dk, dv (interpret mode; undefined
-# on the GPU). strict: remove this once the padding is fixed.
-SEQ_Q_1_BUG = pytest.mark.xfail(
-    strict=True, reason="triton.backward does not pad lse/delta when seq_q == 1: NaN dk, dv"
-)
 CASES = [
-    pytest.param(shape, dtype, id=f"{name}-{DTYPE_IDS[dtype]}", marks=[SEQ_Q_1_BUG] if shape[1] == 1 else [])
+    pytest.param(shape, dtype, id=f"{name}-{DTYPE_IDS[dtype]}")
     for name, (shape, dtypes) in SHAPES.items()
     for dtype in dtypes
 ]

@@ -57,8 +57,9 @@ def _pad(x, length: int, head_dim: int):
     return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
 
 
-def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0):
-    if x.shape[axis] in (1, length):
+def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0, broadcast: bool = False):
+    """Pads one axis to `length`; with `broadcast`, a size-1 axis stays (it broadcasts)."""
+    if x.shape[axis] == length or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, length - x.shape[axis])
@@ -95,8 +96,8 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
     def pad_pair(a, value):
         if a is None:
             return None
-        a = _pad_axis(a, 2, layout.q_len, value=value)
-        return _pad_axis(a, 3, layout.k_len, value=value)
+        a = _pad_axis(a, 2, layout.q_len, value=value, broadcast=True)
+        return _pad_axis(a, 3, layout.k_len, value=value, broadcast=True)
 
     return TileInputs(
         ranges=ranges,
