@@ -4,7 +4,7 @@ Every new shape costs a compilation (~0.5-1 s on the CPU), so the shapes below a
 a representative set, not a cross-product: each covers one property (a length of
 1, odd lengths that are not multiples of any tile, Tq < Tk and Tq > Tk, the GQA
 ratios 1, 2 and 4/MQA, head dims 16..256 including ones padded to a power of
-two), crossed with every dtype and causal or not.
+two), crossed with causal or not and with two or three of the dtypes.
 """
 
 import jax
