@@ -37,6 +37,15 @@ GRAD_TOL = 1e-4
 OUT_TOL = 2e-5
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    """Both sides in exact float32: Flax's projections and default attention use JAX's
+    default matmul precision, which on a GPU rounds float32 operands to TF32 (~1e-3
+    relative), far above the float32 tolerance. On the CPU this changes nothing."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _tree_close(got, want, tol, what):
     """Leafwise relative error, measured against max(leaf norm, 1% of the tree's norm).
 
