@@ -54,7 +54,7 @@ CONFIGS = {
 }
 SMOKE_CONFIGS = {"smoke": (2, 1, 32)}
 MODES = ("fwd", "fwdbwd")
-IMPLS = ("flashjax", "cudnn", "xla", "pallas_mha", "tokamax_mosaic", "tokamax_triton", "fa3", "torch_fa2")
+IMPLS = ("flashjax", "flashjax_mosaic", "cudnn", "xla", "pallas_mha", "tokamax_mosaic", "tokamax_triton", "fa3", "torch_fa2")
 CHECK_ROWS = 256  # query rows of batch row 0 compared with the reference
 TOLERANCE = 2e-2  # relative (Frobenius) error allowed for bf16 against the float32 reference
 XLA_SCORE_LIMIT = 40e9  # bytes of materialised scores beyond which XLA is marked "oom" unrun
@@ -273,6 +273,13 @@ def impl_fn(cell: Cell):
         import flashjax
 
         return (lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, scale=scale, backend="triton")), ""
+    if cell.impl == "flashjax_mosaic":
+        import flashjax
+
+        if _interpret():
+            raise Unsupported("the Mosaic GPU (Hopper) kernels need an sm90 GPU")
+        note = "head_dim 256: Triton backward" if cell.head_dim > 128 and cell.mode == "fwdbwd" else ""
+        return (lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, scale=scale, backend="mosaic")), note
     if cell.impl in ("cudnn", "xla"):
         if cell.impl == "xla":
             scores = cell.batch * cell.heads * cell.seq * cell.seq

@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS = [
     "tests/test_gpu.py",
+    "tests/test_mosaic.py",
     "tests/test_attention.py",
     "tests/test_grad.py",
     "tests/test_variants.py",

@@ -22,6 +22,9 @@ MAX_HEAD_DIM = 256
 # to this many score entries (B * H * Tq * Tk) and the reference beyond it: the
 # interpreter is exact but slow, the reference is fast but materialises the scores.
 INTERPRET_LIMIT = 1 << 22
+# Whether backend="auto" runs the Hopper (Mosaic GPU) kernels on an sm90 GPU when the
+# call's features allow it; see `_mosaic_preferred` and benchmarks/results/mosaic-notes.md.
+MOSAIC_AUTO = False
 
 
 def flash_attention(
@@ -128,7 +131,9 @@ def flash_attention(
         dropout_seed=dropout.seed_words(dropout_rng) if dropout_rate > 0.0 else None,
     )
 
-    if _choose_backend(backend, q, k) == "xla":
+    unsupported = _mosaic_unsupported(q, extras, window, softcap, dropout_rate)
+    backend = _choose_backend(backend, q, k, unsupported)
+    if backend == "xla":
         out = reference.attention(
             q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids,
             q_lengths=q_lengths, kv_lengths=kv_lengths, window=window, softcap=softcap,
@@ -147,7 +152,7 @@ def flash_attention(
         dropout_rate=float(dropout_rate),
         broadcast_dropout=bool(broadcast_dropout),
         config=config if config is not None else Config.default(head_dim, q.dtype),
-        backend="triton",
+        backend=backend,
         interpret=_platform() != "gpu",
     )
     out, lse = _kernel_attention(q, k, v, extras, params)
@@ -164,14 +169,56 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-def _choose_backend(backend: str, q, k) -> str:
+def _is_hopper() -> bool:
+    """True when the default device is an sm90 (H100/H200) GPU: the Mosaic GPU kernels' target."""
+    if _platform() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+def _mosaic_unsupported(q, extras: Extras, window, softcap, dropout_rate) -> list[str]:
+    """The features of a call that the Hopper kernels lack (empty when they cover it)."""
+    missing = []
+    if jnp.dtype(q.dtype) == jnp.float32:
+        missing.append("float32 inputs (use bfloat16 or float16)")
+    optional = {
+        "bias": extras.bias, "mask": extras.mask, "segment_ids": extras.q_segment_ids,
+        "q_lengths": extras.q_lengths, "kv_lengths": extras.kv_lengths, "alibi_slopes": extras.alibi_slopes,
+    }
+    missing += [name for name, value in optional.items() if value is not None]
+    if window is not None:
+        missing.append("window")
+    if softcap is not None:
+        missing.append("softcap")
+    if dropout_rate > 0.0:
+        missing.append("dropout")
+    return missing
+
+
+def _mosaic_preferred(q, k) -> bool:
+    """Whether `auto` takes the Hopper kernels for a call they support (set from measurements)."""
+    return MOSAIC_AUTO
+
+
+def _choose_backend(backend: str, q, k, mosaic_unsupported: list[str] = ()) -> str:
     if backend == "xla":
         return "xla"
     if backend == "mosaic":
-        raise NotImplementedError(
-            "backend='mosaic' (Hopper wgmma/TMA kernels) is not available yet; use backend='triton' or 'auto'."
-        )
+        if mosaic_unsupported:
+            raise NotImplementedError(
+                f"backend='mosaic' (Hopper kernels) does not support {', '.join(mosaic_unsupported)}; "
+                "use backend='triton' or 'auto'."
+            )
+        if not _is_hopper():
+            raise NotImplementedError(
+                "backend='mosaic' needs an sm90 (Hopper: H100/H200) GPU, found "
+                f"{jax.devices()[0].device_kind!r}; JAX cannot run Mosaic GPU kernels in interpret mode. "
+                "Use backend='triton' or 'auto'."
+            )
+        return "mosaic"
     if backend == "triton" or _platform() == "gpu":
+        if backend == "auto" and not mosaic_unsupported and _is_hopper() and _mosaic_preferred(q, k):
+            return "mosaic"
         return "triton"
     batch, seq_q, heads, _ = q.shape
     return "triton" if batch * heads * seq_q * k.shape[1] <= INTERPRET_LIMIT else "xla"

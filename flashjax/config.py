@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Config", "KernelConfig"]
+__all__ = ["Config", "KernelConfig", "MosaicConfig"]
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -104,11 +104,14 @@ class Config:
       fwd: the forward kernel (one program per query tile, loop over key tiles).
       dkv: the dK/dV kernel (one program per key tile, loop over query tiles).
       dq: the dQ kernel (one program per query tile, loop over key tiles).
+      mosaic: the Hopper kernels' tiling (``backend="mosaic"``); None picks
+        `MosaicConfig.default` for the head dim.
     """
 
     fwd: KernelConfig
     dkv: KernelConfig
     dq: KernelConfig
+    mosaic: MosaicConfig | None = None
 
     @classmethod
     def default(cls, head_dim: int, dtype=np.float32) -> "Config":
@@ -125,7 +128,7 @@ class Config:
 
     def fit(self, seq_q: int, seq_k: int) -> "Config":
         """Shrinks every kernel's tiles for short sequences."""
-        return Config(self.fwd.fit(seq_q, seq_k), self.dkv.fit(seq_q, seq_k), self.dq.fit(seq_q, seq_k))
+        return Config(self.fwd.fit(seq_q, seq_k), self.dkv.fit(seq_q, seq_k), self.dq.fit(seq_q, seq_k), self.mosaic)
 
     @property
     def q_multiple(self) -> int:
@@ -136,3 +139,52 @@ class Config:
     def k_multiple(self) -> int:
         """Key lengths are padded to a multiple of this."""
         return max(self.fwd.block_k, self.dkv.block_k, self.dq.block_k)
+
+
+# ---- Hopper (Pallas Mosaic GPU) backend ---------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiling of the Hopper (``backend="mosaic"``) kernels.
+
+    Each forward CTA runs two consumer warpgroups of `block_q` query rows (wgmma
+    wants 64-row multiples per warpgroup) and one producer warpgroup streaming
+    `block_kv`-row K/V tiles through a ring of `stages` shared-memory slots.
+
+    Attributes:
+      block_q: query rows per consumer warpgroup in the forward (a multiple of 64).
+      block_kv: key rows per tile in the forward (a multiple of 64).
+      stages: depth of the forward's K/V ring (>= 1).
+      bwd_block_q: query rows per step of the dK/dV kernel and per tile of the dQ kernel.
+      bwd_block_kv: key rows per tile of the dK/dV kernel and per step of the dQ kernel.
+      bwd_stages: depth of the backward kernels' rings.
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            value = getattr(self, name)
+            if value < 64 or value % 64:
+                raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
+        for name in ("stages", "bwd_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
+
+    @classmethod
+    def default(cls, head_dim: int) -> "MosaicConfig":
+        """The tuned tiling for a head dim of 64, 128 or 256 (H100, bf16)."""
+        return _MOSAIC_TUNED[head_dim]
+
+
+# Shared memory bounds the K/V tiles: D=256 holds 64-row tiles (2 stages of K and V
+# = 128 KB, plus 64 KB of Q), D=128 128-row tiles.
+_MOSAIC_TUNED = {
+    64: MosaicConfig(block_q=64, block_kv=128, stages=3),
+    128: MosaicConfig(block_q=64, block_kv=128, stages=2),
+    256: MosaicConfig(block_q=64, block_kv=64, stages=2),
+}

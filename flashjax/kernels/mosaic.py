@@ -1,0 +1,103 @@
+"""The Hopper backend: pads inputs to whole tiles and runs the Pallas Mosaic GPU kernels.
+
+Same contract as `flashjax.kernels.triton`: ``forward`` returns o and the
+natural-log lse; ``backward`` takes the cotangents of both. The kernels want the
+query length a multiple of two query tiles (one per consumer warpgroup), the key
+length a multiple of the key tile and a head dim of 64, 128 or 256 (wgmma and the
+128-byte swizzle work in 64-column slabs). Inputs are zero-padded here; the
+kernels know the true lengths and mask the padded keys, and padded query rows are
+dropped.
+
+Supported: bfloat16 and float16, causal (bottom-right aligned) or not, GQA/MQA,
+any lengths. Everything else (float32, bias, mask, segment ids, lengths, window,
+softcap, ALiBi, dropout) is refused by `flashjax.api` before it gets here.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flashjax.config import MosaicConfig
+from flashjax.kernels import common, mosaic_bwd, mosaic_fwd
+from flashjax.params import AttentionParams, Extras
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise NotImplementedError(f"backend='mosaic' supports head_dim <= 256, got {head_dim}.")
+
+
+def config_for(params: AttentionParams, head_dim: int) -> MosaicConfig:
+    config = getattr(params.config, "mosaic", None)
+    return config if config is not None else MosaicConfig.default(padded_head_dim(head_dim))
+
+
+def _pad(x, length: int, head_dim: int):
+    """Zero-pads [B, T, H, D] to [B, length, H, head_dim]."""
+    pad_t, pad_d = length - x.shape[1], head_dim - x.shape[3]
+    if pad_t == 0 and pad_d == 0:
+        return x
+    return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
+
+
+def _fwd_tiling(q, k, params: AttentionParams) -> mosaic_fwd.FwdTiling:
+    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    config = config_for(params, head_dim)
+    # Short key sequences: a smaller key tile wastes less work on padding.
+    block_kv = min(config.block_kv, common.round_up(seq_k, 64))
+    return mosaic_fwd.FwdTiling(
+        block_q=config.block_q, block_kv=block_kv, stages=config.stages,
+        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale,
+    )
+
+
+def forward(q, k, v, extras: Extras, params: AttentionParams):
+    """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
+    del extras  # the API lets only calls without optional arrays through
+    seq_q, head_dim = q.shape[1], q.shape[3]
+    t = _fwd_tiling(q, k, params)
+    dim = padded_head_dim(head_dim)
+    q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * t.block_q)
+    k_len = common.round_up(k.shape[1], t.block_kv)
+    o, lse2 = mosaic_fwd.forward(_pad(q, q_len, dim), _pad(k, k_len, dim), _pad(v, k_len, dim), t)
+    return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
+
+
+def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams):
+    """Returns (dq, dk, dv, None) given the forward's o and lse and the cotangents of both."""
+    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    dim = padded_head_dim(head_dim)
+    if dim > 128:
+        # D=256: a 64-row key tile's dK and dV accumulators alone are 256 float32
+        # registers per thread of a warpgroup, over the 255 limit; the Triton kernels
+        # (which split the work differently) do this case.
+        from flashjax.kernels import triton
+
+        return triton.backward(q, k, v, o, lse, do, dlse, extras, params)
+    config = config_for(params, head_dim)
+    block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    # The dQ kernel takes query tiles in pairs and the dK/dV kernel key tiles in pairs.
+    q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * block_q)
+    k_len = common.round_up(seq_k, mosaic_fwd.COMPUTE_WGS * block_kv)
+    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
+    # path (d lse / d S = P) to dS = P * (dP - delta) for free.
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse
+    # Rows that see no key (lse = -inf) and padded rows get +inf so that P = exp2(S - lse2) = 0.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E)
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_len - seq_q)), constant_values=jnp.inf)
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, q_len - seq_q)))
+    qp, dop = _pad(q, q_len, dim), _pad(do.astype(q.dtype), q_len, dim)
+    kp, vp = _pad(k, k_len, dim), _pad(v, k_len, dim)
+    t = mosaic_bwd.BwdTiling(
+        block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
+        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale,
+    )
+    dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
+    dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t)
+    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None

@@ -1,0 +1,353 @@
+"""The Hopper backward kernels (Pallas Mosaic GPU): dK/dV, then a deterministic dQ.
+
+Both recompute P = exp2(S * scale * log2(e) - lse2) tile by tile from the
+forward's lse (log2 units; +inf for rows that see no key and for padded rows, so
+their P is 0) and use delta_i = rowsum(dO_i * O_i) - dlse_i:
+dS = P * (dP - delta), dP = dO V^T.
+
+* dK/dV: one CTA per (kv head, pair of key tiles, batch row). Two consumer
+  warpgroups each keep one `block_kv` key tile (K, V in shared memory; dK, dV
+  accumulating in registers) and walk the query tiles that see it; a producer
+  warpgroup streams Q, dO, lse and delta tiles through a ring. GQA: the walk runs
+  over every query head of the kv head's group, so dK/dV are written once per kv
+  head (no per-query-head copies to sum). Works transposed (S^T = K Q^T) so that
+  dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers.
+* dQ: one CTA per (query head, pair of query tiles, batch row), the forward's
+  structure: each consumer keeps Q, dO, lse, delta of its tile and walks the
+  key tiles it sees, streamed by the producer. No atomics: every dQ row is
+  summed by one warpgroup in a fixed order, so results are bit-reproducible.
+
+Causal (bottom-right aligned) tiles that see nothing are never loaded; only the
+diagonal tiles are masked. Padded keys need no mask: they are zero rows of K and
+V, so they add nothing to dQ, and their own dK/dV rows are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from flashjax.kernels.common import LOG2E
+from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _smem_tiles, causal_kv_range, loop
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTiling:
+    block_q: int
+    block_kv: int
+    stages: int
+    seq_q: int
+    seq_k: int
+    causal: bool
+    scale: float
+
+
+def _params():
+    return plgpu.CompilerParams(approx_math=True)
+
+
+def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
+    """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    group = heads // kv_heads
+    block_q, block_kv = t.block_q, t.block_kv
+    assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
+    n_q = q_len // block_q
+    offset = t.seq_k - t.seq_q
+    scale_log2 = t.scale * LOG2E
+
+    def q_range(k_start):
+        """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + block_kv); [full, n_q) see all."""
+        if not t.causal:
+            return 0, 0
+        lo = lax.div(jnp.maximum(k_start - offset, 0), block_q)
+        full = lax.div(jnp.maximum(k_start + block_kv - 1 - offset, 0) + block_q - 1, block_q)
+        return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+        b = lax.axis_index("batch")
+        hk = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+        cta_k = lax.axis_index("kv_seq") * (COMPUTE_WGS * block_kv)
+        cta_lo, _ = q_range(cta_k)
+        per_head = n_q - cta_lo  # query tiles streamed per query head
+        steps = group * per_head
+        stages = t.stages
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k_start = cta_k + wg * block_kv
+            lo, full = q_range(k_start)
+            at = (b, pl.ds(k_start, block_kv), hk)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[COMPUTE_WGS + wg])
+
+            def wait_inputs(slot):
+                for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                    plgpu.barrier_wait(ready.at[slot])
+
+            def step(s, i, carry, masked: bool):
+                dk, dv = carry
+                slot = lax.rem(s, stages)
+                wait_inputs(slot)
+
+                def st(acc_ref):
+                    plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s_t = pl.run_scoped(st, plgpu.ACC((block_kv, block_q), jnp.float32))
+                if masked:
+                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
+                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+
+                def dv_dp(refs):
+                    # One block for both products: a single wgmma wait.
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
+                    plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+
+                zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+
+                def dk_(acc_ref):
+                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
+
+                dk = pl.run_state(dk_)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            def skip(s, _):
+                # A query tile the CTA streams but this key tile does not see: keep the
+                # ring's barriers in step without computing.
+                slot = lax.rem(s, stages)
+                wait_inputs(slot)
+                plgpu.barrier_arrive(free.at[slot])
+
+            def head(g, carry):
+                base = g * per_head - cta_lo  # ring step of query tile i is base + i
+                if t.causal:
+                    lax.fori_loop(cta_lo, lo, lambda i, c: skip(base + i, c), None)
+                carry = loop(lo, full, lambda i, c: step(base + i, i, c, masked=True), carry)
+                return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
+
+            zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = loop(0, group, head, (zero, zero))
+            # The scale of S = scale * Q K^T enters dK once; dV needs none.
+            k_smem[...] = (dk * t.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[at], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[at], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(s):
+                slot = lax.rem(s, stages)
+                h = hk * group + lax.div(s, per_head)
+                rows = pl.ds((cta_lo + lax.rem(s, per_head)) * block_q, block_q)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < steps)(lambda i=i: load(jnp.int32(i)))
+
+            @pl.loop(stages, jnp.maximum(steps, stages))
+            def _(s):
+                plgpu.barrier_wait(free.at[lax.rem(s, stages)])
+                load(s)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+        tiles = _smem_tiles()
+        st = t.stages
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
+            plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # V in, dV out
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((st, block_q), jnp.float32),
+        )
+        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=st),) * 4
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped),
+            smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(k, v),
+        grid=(kv_heads, k_len // (COMPUTE_WGS * block_kv), batch),
+        grid_names=("heads", "kv_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+    )(q, k, v, do, lse2, delta)
+
+
+def dq(q, k, v, do, lse2, delta, t: BwdTiling):
+    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics)."""
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    group = heads // kv_heads
+    block_q, block_kv = t.block_q, t.block_kv
+    assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
+    n_kv = k_len // block_kv
+    stages = max(1, min(t.stages, n_kv))
+    offset = t.seq_k - t.seq_q
+    scale_log2 = t.scale * LOG2E
+    ft = FwdTiling(block_q, block_kv, stages, t.seq_q, t.seq_k, t.causal, t.scale)
+
+    def kv_range(q_start, rows):
+        if not t.causal:
+            return n_kv, n_kv  # padded keys are zero rows of K: no tail mask needed here
+        return causal_kv_range(q_start, rows, block_kv=block_kv, n_kv=n_kv, t=ft)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
+        cta_q = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+        cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q_start = cta_q + wg * block_q
+            end, full = kv_range(q_start, block_q)
+            rows = pl.ds(q_start, block_q)
+            own = [
+                (q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
+                (lse_ref.at[b, h, rows], lse_smem2.at[wg]), (delta_ref.at[b, h, rows], delta_smem2.at[wg]),
+            ]
+            for n, (src, dst) in enumerate(own):
+                plgpu.copy_gmem_to_smem(src, dst, own_ready.at[4 * wg + n])
+            for n in range(4):
+                plgpu.barrier_wait(own_ready.at[4 * wg + n])
+            lse = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def step(j, acc, masked: bool):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                if masked:
+                    rows_ = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols + j * block_kv <= rows_ + (q_start + offset), s, -jnp.inf)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def dp_(acc_ref):
+                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dp_, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+
+                def dq_(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])  # dQ += dS K
+
+                acc = pl.run_state(dq_)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return acc
+
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc = loop(0, full, lambda j, c: step(j, c, masked=False), acc)
+            acc = loop(full, end, lambda j, c: step(j, c, masked=True), acc)
+
+            def drain(j, _):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            if t.causal:
+                lax.fori_loop(end, cta_end, drain, None)
+            q_smem[...] = (acc * t.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_h = lax.div(h, group)
+
+            def load(j):
+                slot = lax.rem(j, stages)
+                at = (b, pl.ds(j * block_kv, block_kv), kv_h)
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < cta_end)(lambda i=i: load(jnp.int32(i)))
+
+            @pl.loop(stages, jnp.maximum(cta_end, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                load(j)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+        tiles = _smem_tiles()
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),
+        )
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped),
+            smem, ready, free, collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=q,
+        grid=(heads, q_len // (COMPUTE_WGS * block_q), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_params(),
+    )(q, k, v, do, lse2, delta)

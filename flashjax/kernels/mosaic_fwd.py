@@ -1,0 +1,274 @@
+"""The Hopper forward kernel (Pallas Mosaic GPU): wgmma, TMA and warp specialisation.
+
+One CTA per (head, pair of query tiles, batch row) runs three warpgroups, in the
+FlashAttention-3 arrangement:
+
+* two consumer warpgroups, each owning a `block_q`-row query tile in registers
+  (m, l, acc in float32) and walking the key tiles with `wgmma`: S = Q K^T into
+  registers, the online softmax, then acc += P V with P fed from registers;
+* one producer warpgroup that only issues TMA copies of K and V tiles into a ring
+  of `stages` shared-memory slots, waiting on the consumers' "consumed" barriers
+  before it overwrites a slot. It gives its registers to the consumers
+  (`set_max_registers`).
+
+A schedule barrier ping-pongs the consumers: while one runs its softmax (the
+MUFU/FMA units), the other's matrix products run on the tensor cores.
+
+The arrays arrive padded to whole tiles (see `mosaic.py`); the true lengths are
+static. Causal is aligned bottom-right (query i sees keys j <= i + Tk - Tq): key
+tiles entirely above the diagonal are never loaded, the tiles entirely below it
+run without a mask, and only the diagonal tiles and the last, partial key tile
+pay for the iota/where. Rows that see no key keep m = -inf and l = 0 and finish
+as o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from flashjax.kernels.common import LOG2E
+
+# Consumer warpgroups per CTA (each owns one block_q query tile).
+COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdTiling:
+    """Static shape of one forward call (all lengths padded; seq_q, seq_k are the true ones)."""
+
+    block_q: int
+    block_kv: int
+    stages: int
+    seq_q: int
+    seq_k: int
+    causal: bool
+    scale: float
+
+
+def _smem_tiles():
+    # 128-byte swizzle on (8, 64) tiles: the layout wgmma reads without bank conflicts
+    # and TMA writes directly (64 two-byte elements = one 128-byte row).
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def causal_kv_range(q_start, rows: int, *, block_kv: int, n_kv: int, t: FwdTiling):
+    """(end, full_end) for the query rows [q_start, q_start + rows): the key tiles
+    [0, end) hold a key some row sees, and [0, full_end) need no mask (every key in
+    them is real and visible to every row). Python ints when static (not causal)."""
+    full_tail = t.seq_k // block_kv  # tiles before it hold only real keys
+    if not t.causal:
+        return n_kv, min(full_tail, n_kv)
+    offset = t.seq_k - t.seq_q  # bottom-right alignment: row i sees keys j <= i + offset
+    last_key = q_start + rows - 1 + offset
+    end = jnp.clip(lax.div(jnp.maximum(last_key + 1, 0) + block_kv - 1, block_kv), 0, n_kv)
+    # A tile is unmasked when its last key is visible to the first row.
+    full = lax.div(jnp.maximum(q_start + offset + 1, 0), block_kv)
+    return end, jnp.minimum(jnp.minimum(full, end), full_tail)
+
+
+def loop(lo, hi, body, carry):
+    """fori_loop that emits nothing for a static empty range (Mosaic GPU rejects zero-trip scans)."""
+    if isinstance(lo, int) and isinstance(hi, int):
+        if hi <= lo:
+            return carry
+        # A static range still goes through a dynamic loop: scans would unroll nothing but cost compile time.
+        return lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, carry)
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def forward(q, k, v, t: FwdTiling):
+    """q [B, Tqp, H, D], k/v [B, Tkp, Hkv, D] (bf16/fp16, padded) -> o like q, lse2 [B, H, Tqp] (log2 units)."""
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    group = heads // kv_heads
+    block_q, block_kv = t.block_q, t.block_kv
+    assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
+    n_kv = k_len // block_kv
+    stages = max(1, min(t.stages, n_kv))
+    offset = t.seq_k - t.seq_q  # bottom-right causal alignment
+    scale_log2 = t.scale * LOG2E  # logits in log2 units: exp2 is one MUFU op
+
+    def kv_range(q_start, rows):
+        return causal_kv_range(q_start, rows, block_kv=block_kv, n_kv=n_kv, t=t)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+        cta_q = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+        cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
+
+        def schedule_turn():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_start = cta_q + wg * block_q
+            end, full_end = kv_range(q_start, block_q)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(end > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            # Offset the two consumers by half a step: wg 1 starts one turn late.
+            pl.when(wg == 1)(schedule_turn)
+
+            def step(j, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_turn()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    cols = cols + j * block_kv
+                    visible = cols < t.seq_k
+                    if t.causal:
+                        visible = visible & (cols <= rows + (q_start + offset))
+                    s = jnp.where(visible, s, -jnp.inf)
+
+                # m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + MUFU.
+                m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+                if masked:
+                    # A row with no visible key so far keeps m = -inf; subtract 0 instead
+                    # so that exp2 sees -inf - 0 = -inf (p = 0, alpha = 0), never NaN.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax():
+                    plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may issue
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(schedule)  # tensor cores free again
+
+                # The order follows JAX's FA3 example, where it was measured to matter.
+                if head_dim <= 128:
+                    l = l + p.sum(axis=1)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l = l + p.sum(axis=1)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    nxt = j + 1
+
+                    @pl.when(nxt < end)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = (acc, m, l)
+            carry = loop(0, full_end, lambda j, c: step(j, c, masked=False), carry)
+            acc, m, l = loop(full_end, end, lambda j, c: step(j, c, masked=True), carry)
+
+            # The producer loads the CTA's key range (the longer of the two tiles' ranges):
+            # release the slots this tile does not need and keep the schedule in step.
+            def drain(j, _):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_turn()
+                schedule_turn()
+
+            if t.causal:  # otherwise both tiles visit every key tile
+                lax.fori_loop(end, cta_end, drain, None)
+            pl.when(wg == 0)(schedule_turn)
+
+            # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = m + jnp.log(l) * LOG2E
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_h = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
+
+            def load(j, slot):
+                at = (b, pl.ds(j * block_kv, block_kv), kv_h)
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < cta_end)(lambda i=i: load(i, i))
+
+            @pl.loop(stages, jnp.maximum(cta_end, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                at = (b, pl.ds(j * block_kv, block_kv), kv_h)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        tiles = _smem_tiles()
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        )
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped),
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    o, lse2 = plgpu.kernel(
+        entry,
+        out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
+        grid=(heads, q_len // (COMPUTE_WGS * block_q), batch),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)
+    return o, lse2

@@ -1,0 +1,155 @@
+"""The Hopper backend (``backend="mosaic"``, Pallas Mosaic GPU kernels) against the oracle.
+
+Runs only on an sm90 GPU (H100/H200): Mosaic GPU kernels use wgmma, TMA and
+mbarriers, which JAX 0.11 cannot execute in CPU interpret mode. The API's refusals
+(unsupported features, no Hopper GPU) are checked on every machine.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax import api
+
+HOPPER = api._is_hopper()
+SKIP_REASON = "Mosaic GPU kernels need an sm90 (Hopper) GPU; JAX cannot run them in CPU interpret mode"
+requires_hopper = pytest.mark.skipif(not HOPPER, reason=SKIP_REASON)
+
+BF16, F16 = jnp.bfloat16, jnp.float16
+
+
+def mosaic_vjp(kernel_vjp, x, **kwargs):
+    return kernel_vjp(x.q, x.k, x.v, x.do, x.dlse, backend="mosaic", **kwargs)
+
+
+SHAPES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim)
+    pytest.param((2, 1024, 1024, 4, 4, 128), id="T1024-d128"),
+    pytest.param((2, 1000, 1000, 4, 4, 64), id="T1000-d64"),
+    pytest.param((1, 512, 512, 4, 4, 256), id="T512-d256"),
+    pytest.param((2, 2047, 2047, 8, 2, 128), id="T2047-d128-gqa4"),
+    pytest.param((1, 1024, 1024, 8, 4, 64), id="T1024-d64-gqa2"),
+    pytest.param((2, 1024, 1024, 8, 1, 128), id="T1024-d128-mqa"),
+    pytest.param((1, 130, 1000, 8, 2, 128), id="q130<k1000-gqa4"),
+    pytest.param((1, 1000, 130, 4, 4, 64), id="q1000>k130"),
+    pytest.param((2, 1, 17, 2, 1, 128), id="q1-k17-mqa"),
+    pytest.param((2, 17, 1, 2, 2, 64), id="q17-k1"),
+    pytest.param((1, 300, 257, 2, 2, 96), id="q300-k257-d96"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_and_grads(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, dtype):
+    x = make_inputs(*shape, dtype=dtype)
+    got = mosaic_vjp(kernel_vjp, x, causal=causal)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
+    assert_result_close(got, want, dtype)
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_large_logits(make_inputs, kernel_vjp, reference_vjp, assert_result_close, causal):
+    """q.k scaled up x30: the online softmax rescales hard; no overflow, no NaN."""
+    x = make_inputs(2, 1024, 1024, 4, 2, 128, dtype=BF16, q_scale=30.0)
+    got = mosaic_vjp(kernel_vjp, x, causal=causal)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
+    assert_result_close(got, want, BF16)
+
+
+@requires_hopper
+def test_rows_without_keys(make_inputs, kernel_vjp, reference_vjp, assert_result_close):
+    """Causal with Tq > Tk: the first Tq - Tk rows see no key: o = 0, lse = -inf, zero grads."""
+    x = make_inputs(1, 700, 200, 4, 4, 128, dtype=BF16)
+    got = mosaic_vjp(kernel_vjp, x, causal=True)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=True)
+    assert_result_close(got, want, BF16)
+    np.testing.assert_array_equal(np.asarray(got.o[:, :500], np.float32), 0.0)
+    assert np.all(np.asarray(got.lse[:, :, :500]) == -np.inf)
+    np.testing.assert_array_equal(np.asarray(got.dq[:, :500], np.float32), 0.0)
+
+
+@requires_hopper
+def test_deterministic(make_inputs, kernel_vjp):
+    """No atomics: two runs are bitwise equal (output, lse and every gradient)."""
+    x = make_inputs(2, 2047, 2047, 8, 2, 128, dtype=BF16)
+    first = mosaic_vjp(kernel_vjp, x, causal=True)
+    second = mosaic_vjp(kernel_vjp, x, causal=True)
+    for name in first._fields:
+        np.testing.assert_array_equal(
+            np.asarray(getattr(first, name), np.float32), np.asarray(getattr(second, name), np.float32), err_msg=name
+        )
+
+
+@requires_hopper
+def test_jit_grad_vmap_return_lse(make_inputs, reference_fwd, assert_close, assert_lse_close):
+    x = make_inputs(2, 256, 384, 4, 2, 64, dtype=BF16)
+    attn = functools.partial(flashjax.flash_attention, causal=True, backend="mosaic")
+
+    # vmap over an extra leading axis (the batch of 2 split into 2 x 1), under jit.
+    o, lse = jax.jit(jax.vmap(lambda q, k, v: attn(q, k, v, return_lse=True)))(
+        x.q[:, None], x.k[:, None], x.v[:, None]
+    )
+    want_o, want_lse = reference_fwd(x.q, x.k, x.v, causal=True)
+    assert_close(o[:, 0], want_o, BF16, "o (vmap)")
+    assert_lse_close(lse[:, 0], want_lse, BF16)
+
+    def loss(q, k, v, f):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * x.do.astype(jnp.float32))
+
+    from flashjax import reference
+
+    ref = lambda q, k, v: reference.attention(q, k, v, causal=True)
+    got = jax.jit(jax.grad(functools.partial(loss, f=attn), argnums=(0, 1, 2)))(x.q, x.k, x.v)
+    up = [a.astype(jnp.float32) for a in (x.q, x.k, x.v)]
+    want = jax.jit(jax.grad(functools.partial(loss, f=ref), argnums=(0, 1, 2)))(*up)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, w, BF16, name)
+
+
+@requires_hopper
+def test_auto_runs_on_hopper(make_inputs, reference_fwd, assert_close):
+    x = make_inputs(1, 512, 512, 4, 4, 128, dtype=BF16)
+    got = flashjax.flash_attention(x.q, x.k, x.v, causal=True)
+    assert_close(got, reference_fwd(x.q, x.k, x.v, causal=True)[0], BF16)
+
+
+# ---- refusals: on every machine ------------------------------------------------------------
+def _arrays(dtype=BF16, d=64):
+    q = jnp.ones((1, 16, 2, d), dtype)
+    return q, q, q
+
+
+@pytest.mark.parametrize(
+    "kwargs,feature",
+    [
+        (dict(bias=jnp.zeros((16, 16))), "bias"),
+        (dict(mask=jnp.ones((16, 16), bool)), "mask"),
+        (dict(segment_ids=jnp.zeros((1, 16), jnp.int32)), "segment_ids"),
+        (dict(kv_lengths=jnp.full((1,), 8, jnp.int32)), "kv_lengths"),
+        (dict(window=(4, 0)), "window"),
+        (dict(softcap=20.0), "softcap"),
+        (dict(alibi_slopes=jnp.ones((2,))), "alibi_slopes"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
+    ],
+)
+def test_unsupported_features_are_named(kwargs, feature):
+    with pytest.raises(NotImplementedError, match=f"mosaic.*{feature}"):
+        flashjax.flash_attention(*_arrays(), backend="mosaic", **kwargs)
+
+
+def test_float32_is_refused():
+    with pytest.raises(NotImplementedError, match="float32"):
+        flashjax.flash_attention(*_arrays(jnp.float32), backend="mosaic")
+
+
+@pytest.mark.skipif(HOPPER, reason="checks the refusal on machines without a Hopper GPU")
+def test_needs_hopper():
+    with pytest.raises(NotImplementedError, match="sm90"):
+        flashjax.flash_attention(*_arrays(), backend="mosaic")
