@@ -31,6 +31,12 @@ chunks r and 2N-1-r, so that every device does the same work at every step:
 Either way 2 chunk x chunk products per step, half of a full block. Masked work is
 skipped (`jax.lax.cond` on the device index), never computed and thrown away.
 
+Segment ids (packed documents) ride along: the kv ids of a block travel round the
+ring with its K/V (int32 [B, T / N], tiny next to K/V), each step passes the local
+query ids and the held block's kv ids to the block kernels, and the zig-zag branches
+slice the ids exactly as they slice q and K/V. A block in which a query row meets
+no key of its segment gives that row lse = -inf, i.e. weight 0 in the merge.
+
 Communication overlap: the ppermute of the next K/V block is issued before the
 current block's attention and nothing of that step reads its result, so XLA
 schedules it as an asynchronous collective-permute (start ... done) around the
@@ -133,6 +139,7 @@ def ring_attention(
     mesh: Mesh,
     axis_name: str,
     causal: bool = False,
+    segment_ids=None,
     scale: float | None = None,
     load_balance: bool = True,
     return_lse: bool = False,
@@ -153,7 +160,8 @@ def ring_attention(
       mesh = jax.make_mesh((4,), ("sp",))
       n = mesh.shape["sp"]
       q, k, v = (zigzag_order(x, n) for x in (q, k, v))   # once, on the model inputs
-      out = ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True)
+      ids = zigzag_order(segment_ids, n)                 # [batch, seq], packed documents
+      out = ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True, segment_ids=ids)
       out = zigzag_restore(out, n)                       # natural order again
 
     Args:
@@ -163,6 +171,13 @@ def ring_attention(
       mesh: the device mesh.
       axis_name: the mesh axis the sequence is sharded over (the ring).
       causal: causal self-attention over the global positions.
+      segment_ids: packed sequences (document masking): int ``[batch, seq]`` (when
+        ``kv_seq == seq``) or a pair ``(q_segment_ids [batch, seq],
+        kv_segment_ids [batch, kv_seq])``; a query attends only keys with the same
+        id (on top of ``causal``). In the same sequence layout as q, k, v, so in
+        zig-zag order with ``causal`` and ``load_balance`` (reorder them with
+        `zigzag_order`, like the tokens); sharded like the sequence. A query row
+        that sees no key outputs 0 with lse = -inf and gets zero gradients.
       scale: logit scale; defaults to ``1 / sqrt(head_dim)``.
       load_balance: with ``causal=True``, the sequence axis of q, k, v (and of the
         output) is in the zig-zag layout of `zigzag_order` (every device does equal
@@ -184,11 +199,12 @@ def ring_attention(
       the lse [batch, heads, seq] with ``return_lse=True``).
 
     Raises:
-      ValueError: for inconsistent shapes, unknown mesh axes, sizes that do not
-        divide, or bad options; the message says what to change.
+      ValueError: for inconsistent shapes (of segment_ids too), unknown mesh axes,
+        sizes that do not divide, or bad options; the message says what to change.
     """
     ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config)
-    o, lse = _ring_jit(ring, q, k, v)
+    segments = _check_segments(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+    o, lse = _ring_jit(ring, q, k, v, segments)
     return (o, lse) if return_lse else o
 
 
@@ -216,6 +232,10 @@ class _Ring:
     @property
     def lse_spec(self):
         return P(self.batch_axis, self.head_axis, self.axis_name)
+
+    @property
+    def ids_spec(self):
+        return P(self.batch_axis, self.axis_name)
 
     def params(self, causal: bool) -> AttentionParams:
         return AttentionParams(
@@ -289,25 +309,57 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
     )
 
 
-# ---- one block: the kernels, or plain JAX ---------------------------------------------
-def _block_forward(ring: _Ring, q, k, v, causal: bool):
-    """(o [B, Tq, H, D] float32, lse [B, H, Tq]) of q attending one K/V block."""
-    if ring.backend == "xla":
-        o, lse = reference.attention(q, k, v, causal=causal, scale=ring.scale, return_lse=True)
+def _check_segments(segment_ids, batch: int, seq_q: int, seq_k: int):
+    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from `segment_ids`, or None without ids."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be an array [batch, seq] or a pair (q_segment_ids, kv_segment_ids).")
+        q_ids, kv_ids = segment_ids
     else:
-        o, lse = triton_backend.forward(q, k, v, Extras(), ring.params(causal))
+        if seq_q != seq_k:
+            raise ValueError(
+                f"segment_ids as one array needs q and k of the same length (got {seq_q} and {seq_k}); "
+                "pass a pair (q_segment_ids [batch, seq], kv_segment_ids [batch, kv_seq])."
+            )
+        q_ids = kv_ids = segment_ids
+    for name, ids, length in (("q segment_ids", q_ids, seq_q), ("kv segment_ids", kv_ids, seq_k)):
+        if getattr(ids, "shape", None) is None or tuple(ids.shape) != (batch, length):
+            got = getattr(ids, "shape", type(ids).__name__)
+            raise ValueError(f"{name} must have shape {(batch, length)} [batch, seq], got {got}.")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+# ---- one block: the kernels, or plain JAX ---------------------------------------------
+def _extras(seg) -> Extras:
+    """The kernels' optional arrays for a block: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any."""
+    return Extras() if seg is None else Extras(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+
+
+def _block_forward(ring: _Ring, q, k, v, causal: bool, seg):
+    """(o [B, Tq, H, D] float32, lse [B, H, Tq]) of q attending one K/V block.
+
+    ``seg``: None or (q_ids [B, Tq], kv_ids [B, Tk]) of exactly these queries and keys.
+    """
+    if ring.backend == "xla":
+        o, lse = reference.attention(q, k, v, causal=causal, scale=ring.scale, segment_ids=seg, return_lse=True)
+    else:
+        o, lse = triton_backend.forward(q, k, v, _extras(seg), ring.params(causal))
     return o.astype(jnp.float32), lse
 
 
-def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool):
+def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg):
     """This block's share of (dq, dk, dv), float32, given the *global* o and lse."""
     if ring.backend == "xla":
-        return _xla_block_backward(q, k, v, o, lse, do, dlse, causal, ring.scale)
-    dq, dk, dv, _ = triton_backend.backward(q, k, v, o, lse, do, dlse, Extras(), ring.params(causal))
+        return _xla_block_backward(q, k, v, o, lse, do, dlse, causal, ring.scale, seg)
+    dq, dk, dv, _ = triton_backend.backward(q, k, v, o, lse, do, dlse, _extras(seg), ring.params(causal))
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
-def _xla_block_backward(q, k, v, o, lse, do, dlse, causal: bool, scale: float):
+def _xla_block_backward(q, k, v, o, lse, do, dlse, causal: bool, scale: float, seg):
     """The FlashAttention backward for one block in plain JAX (float32, scores materialised)."""
     f32 = lambda x: x.astype(jnp.float32)
     batch, seq_q, heads, head_dim = q.shape
@@ -318,7 +370,7 @@ def _xla_block_backward(q, k, v, o, lse, do, dlse, causal: bool, scale: float):
     dog = f32(do).reshape(qg.shape)
     s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, f32(k), precision=hp)
     lse_g = lse.reshape(batch, kv_heads, group, seq_q, 1)
-    allowed = reference.logits_mask(batch, seq_q, seq_k, causal=causal)[:, :, None]
+    allowed = reference.logits_mask(batch, seq_q, seq_k, causal=causal, segment_ids=seg)[:, :, None]
     # Rows with lse = -inf see no key anywhere: P = 0 (never exp(-inf + inf)).
     p = jnp.where(allowed & (lse_g > -jnp.inf), jnp.exp(s - jnp.where(lse_g > -jnp.inf, lse_g, 0.0)), 0.0)
     delta = jnp.einsum("bqhd,bqhd->bhq", f32(o), f32(do)) - dlse
@@ -341,23 +393,36 @@ def _visible_earlier(ring: _Ring, step: int):
     return step <= jax.lax.axis_index(ring.axis_name)
 
 
-def _step_forward(ring: _Ring, step: int, q, k, v):
-    """(o, lse) of the local queries against the K/V block held at `step`; masked work skipped."""
+def _first_keys(seg, c: int):
+    """The ids of the `earlier` branch: all local queries, the block's first chunk of keys."""
+    return None if seg is None else (seg[0], seg[1][:, :c])
+
+
+def _last_queries(seg, c: int):
+    """The ids of the `later` branch: the local second chunk of queries, all the block's keys."""
+    return None if seg is None else (seg[0][:, c:], seg[1])
+
+
+def _step_forward(ring: _Ring, step: int, q, k, v, seg):
+    """(o, lse) of the local queries against the K/V block held at `step`; masked work skipped.
+
+    ``seg``: None or (the local q_ids [B, Tq], the held block's kv_ids [B, Tk]).
+    """
     if not ring.causal:
-        return _block_forward(ring, q, k, v, False)
+        return _block_forward(ring, q, k, v, False, seg)
     if step == 0:
-        return _block_forward(ring, q, k, v, True)
+        return _block_forward(ring, q, k, v, True, seg)
     if not ring.zigzag:
         # A whole earlier block is visible; a later one is invisible: no kernel call at all.
         empty = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.full(_lse_shape(q), -jnp.inf, jnp.float32))
-        return jax.lax.cond(_visible_earlier(ring, step), lambda: _block_forward(ring, q, k, v, False), empty)
+        return jax.lax.cond(_visible_earlier(ring, step), lambda: _block_forward(ring, q, k, v, False, seg), empty)
     c = q.shape[1] // 2
 
     def earlier():  # every local query sees the block's first chunk, none sees its second
-        return _block_forward(ring, q, k[:, :c], v[:, :c], False)
+        return _block_forward(ring, q, k[:, :c], v[:, :c], False, _first_keys(seg, c))
 
     def later():  # only the local second chunk sees the block, all of it
-        o2, lse2 = _block_forward(ring, q[:, c:], k, v, False)
+        o2, lse2 = _block_forward(ring, q[:, c:], k, v, False, _last_queries(seg, c))
         o1 = jnp.zeros_like(o2)
         lse1 = jnp.full_like(lse2, -jnp.inf)
         return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=2)
@@ -365,25 +430,25 @@ def _step_forward(ring: _Ring, step: int, q, k, v):
     return jax.lax.cond(_visible_earlier(ring, step), earlier, later)
 
 
-def _step_backward(ring: _Ring, step: int, q, k, v, o, lse, do, dlse):
-    """(dq, dk, dv) shares of the block held at `step`, mirroring `_step_forward`."""
+def _step_backward(ring: _Ring, step: int, q, k, v, seg, o, lse, do, dlse):
+    """(dq, dk, dv) shares of the block held at `step`, mirroring `_step_forward` (same ids)."""
     if not ring.causal:
-        return _block_backward(ring, q, k, v, o, lse, do, dlse, False)
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg)
     if step == 0:
-        return _block_backward(ring, q, k, v, o, lse, do, dlse, True)
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, True, seg)
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
     if not ring.zigzag:
-        full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False)
+        full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg)
         return jax.lax.cond(_visible_earlier(ring, step), full, lambda: (zeros(q), zeros(k), zeros(v)))
     c = q.shape[1] // 2
 
     def earlier():
-        dq, dk1, dv1 = _block_backward(ring, q, k[:, :c], v[:, :c], o, lse, do, dlse, False)
+        dq, dk1, dv1 = _block_backward(ring, q, k[:, :c], v[:, :c], o, lse, do, dlse, False, _first_keys(seg, c))
         return dq, jnp.concatenate([dk1, zeros(dk1)], axis=1), jnp.concatenate([dv1, zeros(dv1)], axis=1)
 
     def later():
         dq2, dk, dv = _block_backward(
-            ring, q[:, c:], k, v, o[:, c:], lse[:, :, c:], do[:, c:], dlse[:, :, c:], False
+            ring, q[:, c:], k, v, o[:, c:], lse[:, :, c:], do[:, c:], dlse[:, :, c:], False, _last_queries(seg, c)
         )
         return jnp.concatenate([zeros(dq2), dq2], axis=1), dk, dv
 
@@ -410,33 +475,47 @@ def _shift(ring: _Ring, x):
 
 
 # ---- the ring, per device ---------------------------------------------------------------
-def _local_forward(ring: _Ring, q, k, v):
-    kv = (k, v)
+def _split(segments):
+    """(q_ids, kv_ids) of the local shard, or (None, None) without segment ids."""
+    return (None, None) if segments is None else segments
+
+
+def _pair(q_ids, kv_ids):
+    """A step's ids as the blocks take them: None without segment ids."""
+    return None if q_ids is None else (q_ids, kv_ids)
+
+
+def _local_forward(ring: _Ring, q, k, v, segments):
+    q_ids, kv_ids = _split(segments)
+    held = (k, v, kv_ids)  # a block's kv ids travel with its K/V (None: nothing to send)
     o = lse = None
     for step in range(ring.size):
         # Issued before this step's attention, which does not read it: the transfer
         # of the next block overlaps the kernel.
-        incoming = _shift(ring, kv) if step < ring.size - 1 else None
-        o_s, lse_s = _step_forward(ring, step, q, *kv)
+        incoming = _shift(ring, held) if step < ring.size - 1 else None
+        k_s, v_s, kv_ids_s = held
+        o_s, lse_s = _step_forward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s))
         o, lse = (o_s, lse_s) if o is None else _merge(o, lse, o_s, lse_s)
-        kv = incoming
+        held = incoming
     return o.astype(q.dtype), lse
 
 
-def _local_backward(ring: _Ring, q, k, v, o, lse, do, dlse):
-    kv = (k, v)
+def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse):
+    q_ids, kv_ids = _split(segments)
+    held = (k, v, kv_ids)
     dq = jnp.zeros(q.shape, jnp.float32)
     arriving = None  # the dK/dV accumulator of the block now held, sent by the previous device
     for step in range(ring.size):
-        incoming = _shift(ring, kv) if step < ring.size - 1 else None
-        dq_s, dk_s, dv_s = _step_backward(ring, step, q, *kv, o, lse, do, dlse)
+        incoming = _shift(ring, held) if step < ring.size - 1 else None
+        k_s, v_s, kv_ids_s = held
+        dq_s, dk_s, dv_s = _step_backward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s), o, lse, do, dlse)
         dq = dq + dq_s
         # The accumulator is added to only after this step's kernels, so its transfer
         # (sent at the end of the previous step) overlaps them.
         acc = (dk_s, dv_s) if arriving is None else (arriving[0] + dk_s, arriving[1] + dv_s)
         # After N sends the accumulator of block r is back on device r.
         arriving = _shift(ring, acc)
-        kv = incoming
+        held = incoming
     dk, dv = arriving
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -460,34 +539,49 @@ def _place(ring: _Ring, x, spec):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _forward_global(ring: _Ring, q, k, v):
+def _segments_spec(ring: _Ring, segments):
+    """The shard_map spec of the ids: sharded like the sequence (None, matching None, without ids)."""
+    return None if segments is None else (ring.ids_spec, ring.ids_spec)
+
+
+def _place_segments(ring: _Ring, segments):
+    return None if segments is None else tuple(_place(ring, ids, ring.ids_spec) for ids in segments)
+
+
+def _forward_global(ring: _Ring, q, k, v, segments):
     spec = ring.qkv_spec
     q, k, v = (_place(ring, x, spec) for x in (q, k, v))
-    return _sharded(ring, _local_forward, (spec, spec, spec), (spec, ring.lse_spec))(q, k, v)
+    in_specs = (spec, spec, spec, _segments_spec(ring, segments))
+    fn = _sharded(ring, _local_forward, in_specs, (spec, ring.lse_spec))
+    return fn(q, k, v, _place_segments(ring, segments))
 
 
+# segments: None or (q_ids int32 [B, Tq], kv_ids int32 [B, Tk]); integers, so no cotangent.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v):
-    return _forward_global(ring, q, k, v)
+def _ring(ring: _Ring, q, k, v, segments):
+    return _forward_global(ring, q, k, v, segments)
 
 
-def _ring_fwd(ring: _Ring, q, k, v):
-    o, lse = _forward_global(ring, q, k, v)
-    return (o, lse), (q, k, v, o, lse)
+def _ring_fwd(ring: _Ring, q, k, v, segments):
+    o, lse = _forward_global(ring, q, k, v, segments)
+    return (o, lse), (q, k, v, segments, o, lse)
 
 
 def _ring_bwd(ring: _Ring, residuals, cotangents):
+    q, k, v, segments, o, lse = residuals
     do, dlse = cotangents
     spec, lse_spec = ring.qkv_spec, ring.lse_spec
-    specs = (spec,) * 4 + (lse_spec, spec, lse_spec)
-    args = (*residuals, do.astype(residuals[3].dtype), dlse)
-    args = [_place(ring, x, s) for x, s in zip(args, specs)]
-    return _sharded(ring, _local_backward, specs, (spec, spec, spec))(*args)
+    in_specs = (spec, spec, spec, _segments_spec(ring, segments), spec, lse_spec, spec, lse_spec)
+    q, k, v, o, do = (_place(ring, x, spec) for x in (q, k, v, o, do.astype(o.dtype)))
+    lse, dlse = (_place(ring, x, lse_spec) for x in (lse, dlse))
+    fn = _sharded(ring, _local_backward, in_specs, (spec, spec, spec))
+    dq, dk, dv = fn(q, k, v, _place_segments(ring, segments), o, lse, do, dlse)
+    return dq, dk, dv, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _ring_jit(ring: _Ring, q, k, v):
-    return _ring(ring, q, k, v)
+def _ring_jit(ring: _Ring, q, k, v, segments):
+    return _ring(ring, q, k, v, segments)

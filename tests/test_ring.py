@@ -7,6 +7,7 @@ Layout checks and argument errors run in the pytest process on a 1-device mesh.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import jax
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import Inputs, Result, check_close, check_lse, reference_result
 from multidevice import DEVICES, run_on_devices
+from flashjax import reference
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
 
 
@@ -29,12 +31,32 @@ def _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype) -> Inpu
     )
 
 
+def _packed_ids(lengths_per_row, total: int):
+    """Sorted segment ids int32 [batch, total] from each row's document lengths (the last runs to the end)."""
+    rows = [np.repeat(np.arange(len(lengths)), lengths)[:total] for lengths in lengths_per_row]
+    rows = [np.pad(r, (0, total - len(r)), mode="edge") for r in rows]
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _reference_with_ids(x: Inputs, segment_ids, *, causal: bool) -> Result:
+    # conftest.reference_result takes static options only; the ids are arrays.
+    up = lambda a: a.astype(jnp.float32)
+    fn = lambda q, k, v: reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, return_lse=True)
+    (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v))
+    return Result(o, lse, *pullback((up(x.do), x.dlse)))
+
+
 def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=None, heads=2, kv_heads=2,
-               head_dim=32, dtype="float32", backend="triton", mesh_shape=(DEVICES,), batch_axis=None):
+               head_dim=32, dtype="float32", backend="triton", mesh_shape=(DEVICES,), batch_axis=None,
+               segments=None, kv_segments=None):
     """Ring output, lse and gradients (through o and lse) equal the reference's.
 
-    With ``causal`` and ``load_balance``, inputs, cotangents and the reference's
-    results are put in zig-zag order (the layout the ring expects) before comparing.
+    With ``causal`` and ``load_balance``, inputs, cotangents, segment ids and the
+    reference's results are put in zig-zag order (the layout the ring expects)
+    before comparing. ``segments``: document lengths per batch row (natural order)
+    for packed segment ids; with ``kv_segments`` too, the ids are a pair (q ids
+    from ``segments``, kv ids from ``kv_segments``).
     """
     dtype = jnp.dtype(dtype)
     seq_k = seq_q if seq_k is None else seq_k
@@ -42,18 +64,26 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     mesh = jax.make_mesh(mesh_shape, names)
     n = mesh.shape["sp"]
     x = _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype)
-    want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
+    ids = None
+    if segments is not None:
+        ids = _packed_ids(segments, seq_q)
+        if kv_segments is not None:
+            ids = (ids, _packed_ids(kv_segments, seq_k))
+        want = _reference_with_ids(x, ids, causal=causal)
+    else:
+        want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
     if causal and load_balance:
         x = Inputs(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in x))
         want = Result(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in want))
+        ids = jax.tree.map(lambda a: zigzag_order(a, n, axis=1), ids)
 
-    def ring(q, k, v):
+    def ring(q, k, v, ids):
         return ring_attention(
             q, k, v, mesh=mesh, axis_name="sp", causal=causal, load_balance=load_balance,
-            return_lse=True, backend=backend, batch_axis=batch_axis,
+            return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids,
         )
 
-    (o, lse), pullback = jax.vjp(jax.jit(ring), x.q, x.k, x.v)
+    (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v)
     dq, dk, dv = pullback((x.do, x.dlse))
     assert o.dtype == dtype and dq.dtype == dtype and dk.dtype == dtype
     check_close(o, want.o, dtype, "o")
@@ -73,8 +103,18 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         dict(causal=True, load_balance=False, backend="xla"),
         dict(causal=False, seq_q=64, seq_k=128, heads=4, kv_heads=1, backend="xla"),
         dict(causal=True, load_balance=True, batch=2, mesh_shape=(2, 2), batch_axis="dp", backend="xla"),
+        # Segment ids (packed documents), 32-position shards: boundaries at 20, 70 and
+        # 110 fall inside shards and documents span several shards.
+        dict(causal=False, heads=4, kv_heads=2, segments=[[20, 50, 40]], backend="xla"),
+        # Kernels, zig-zag branches: q and kv ids differ, so the q rows 80..89 of
+        # document 2 see no key (kv document 2 starts at 90): lse = -inf, zero gradients.
+        dict(causal=True, load_balance=True, heads=4, kv_heads=2, segments=[[40, 40, 48]], kv_segments=[[40, 50, 38]]),
+        # Contiguous causal layout, other ids per batch row (one boundary on a shard edge).
+        dict(causal=True, load_balance=False, batch=2, mesh_shape=(2, 2), batch_axis="dp", backend="xla",
+             segments=[[20, 50, 40], [64, 64]]),
     ],
-    ids=["full-gqa", "causal-zigzag-gqa-bf16", "xla-causal-contiguous", "xla-cross-mqa", "xla-dp-sp"],
+    ids=["full-gqa", "causal-zigzag-gqa-bf16", "xla-causal-contiguous", "xla-cross-mqa", "xla-dp-sp",
+         "xla-full-gqa-segments", "causal-zigzag-gqa-segments-empty-rows", "xla-dp-sp-contiguous-segments"],
 )
 def test_ring_matches_reference(case, request):
     seed = zlib.crc32(request.node.nodeid.encode())
@@ -113,6 +153,10 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(seq_k=32), "same length"),
         (dict(backend="mosaic"), "backend must be one of"),
         (dict(head_axis="sp"), "distinct"),
+        (dict(segment_ids=np.zeros((1, 32), np.int32)), r"q segment_ids must have shape \(1, 64\)"),
+        (dict(segment_ids=(np.zeros((1, 64), np.int32), np.zeros((2, 64), np.int32))), "kv segment_ids must have"),
+        (dict(segment_ids=np.zeros((1, 64), np.float32)), "segment_ids must be integers"),
+        (dict(causal=False, seq_k=32, segment_ids=np.zeros((1, 64), np.int32)), "segment_ids as one array"),
     ],
 )
 def test_ring_errors(kwargs, message):
