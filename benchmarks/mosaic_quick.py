@@ -2,7 +2,7 @@
 
     python benchmarks/mosaic_quick.py                    # checks + d128 T in {1k,4k,16k}
     python benchmarks/mosaic_quick.py --no-check --seqlens 4096 --modes fwd \\
-        --variants 64x128x2,64x128x3,64x192x2            # forward tilings (block_q x block_kv x stages)
+        --variants "block_kv=128;block_kv=64,stages=3"   # MosaicConfig overrides
 
 Same protocol as benchmarks/attention.py (bf16, 16384 tokens per batch, FLOPs
 4*B*H*Tq*Tk*D halved for causal, x3.5 for fwd+bwd, median of >= 10 repetitions of a
@@ -13,6 +13,7 @@ benchmarks/attention.py --impls flashjax,flashjax_mosaic,cudnn.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -92,9 +93,11 @@ def bench(seqlens, modes, causals, impls, variants, head_dim=128, heads=16):
                         else:
                             cfg = None
                             if var is not None:
-                                bq, bkv, st = map(int, var.split("x"))
+                                # "key=value,key=value" over the tuned MosaicConfig of this head dim.
+                                kw = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in var.split(",") if kv}
+                                mosaic = dataclasses.replace(MosaicConfig.default(head_dim), **kw)
                                 cfg = Config.default(head_dim, jnp.bfloat16)
-                                cfg = Config(cfg.fwd, cfg.dkv, cfg.dq, MosaicConfig(block_q=bq, block_kv=bkv, stages=st))
+                                cfg = Config(cfg.fwd, cfg.dkv, cfg.dq, mosaic)
                             fn = functools.partial(flashjax.flash_attention, causal=causal, backend=impl, config=cfg)
                         if mode == "fwd":
                             f = jax.jit(lambda q, k, v, do, fn=fn: fn(q, k, v))
@@ -131,18 +134,20 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--grads", action="store_true", help="also check dq, dk, dv")
+    p.add_argument("--checks", default="", help="comma-separated indices into CHECKS (default: all)")
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--modes", default="fwd,fwdbwd")
     p.add_argument("--causal", default="both")
     p.add_argument("--impls", default="mosaic,triton,cudnn")
-    p.add_argument("--variants", default="", help="mosaic forward tilings block_q x block_kv x stages")
+    p.add_argument("--variants", default="", help="';'-separated MosaicConfig overrides, e.g. 'block_kv=64,stages=3;dq_block_kv=128'")
     p.add_argument("--head-dim", type=int, default=128)
     a = p.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     t0 = time.time()
-    crow = [] if a.no_check else check(CHECKS, a.grads)
+    cases = [CHECKS[int(i)] for i in a.checks.split(",")] if a.checks else CHECKS
+    crow = [] if a.no_check else check(cases, a.grads)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
-    variants = a.variants.split(",") if a.variants else [None]
+    variants = a.variants.split(";") if a.variants else [None]
     heads = 2048 // a.head_dim if a.head_dim != 256 else 8
     brow = bench([int(s) for s in a.seqlens.split(",") if s], a.modes.split(","), causals, a.impls.split(","), variants, a.head_dim, heads)
     print(f"\n==== done in {time.time() - t0:.0f}s ====")

@@ -23,8 +23,10 @@ MAX_HEAD_DIM = 256
 # interpreter is exact but slow, the reference is fast but materialises the scores.
 INTERPRET_LIMIT = 1 << 22
 # Whether backend="auto" runs the Hopper (Mosaic GPU) kernels on an sm90 GPU when the
-# call's features allow it; see `_mosaic_preferred` and benchmarks/results/mosaic-notes.md.
-MOSAIC_AUTO = False
+# call's features allow it. Measured on an H100 (benchmarks/results/mosaic-notes.md):
+# faster than the Triton kernels in every cell, forward (1.1-1.4x) and forward+backward
+# (1.0-1.2x; head dim 256 runs the Triton backward), head dims 64/128/256, T = 1k-16k.
+MOSAIC_AUTO = True
 
 
 def flash_attention(

@@ -15,6 +15,9 @@ softcap, ALiBi, dropout) is refused by `flashjax.api` before it gets here.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax.numpy as jnp
 
 from flashjax.config import MosaicConfig
@@ -51,7 +54,7 @@ def _fwd_tiling(q, k, params: AttentionParams) -> mosaic_fwd.FwdTiling:
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
     return mosaic_fwd.FwdTiling(
         block_q=config.block_q, block_kv=block_kv, stages=config.stages,
-        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale,
+        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
     )
 
 
@@ -80,9 +83,10 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
         return triton.backward(q, k, v, o, lse, do, dlse, extras, params)
     config = config_for(params, head_dim)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
     # The dQ kernel takes query tiles in pairs and the dK/dV kernel key tiles in pairs.
     q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * block_q)
-    k_len = common.round_up(seq_k, mosaic_fwd.COMPUTE_WGS * block_kv)
+    k_len = common.round_up(seq_k, math.lcm(mosaic_fwd.COMPUTE_WGS * block_kv, dq_block_kv))
     # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
     # path (d lse / d S = P) to dS = P * (dP - delta) for free.
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -96,8 +100,8 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     kp, vp = _pad(k, k_len, dim), _pad(v, k_len, dim)
     t = mosaic_bwd.BwdTiling(
         block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
-        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale,
+        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
     )
     dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
-    dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t)
+    dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
     return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None

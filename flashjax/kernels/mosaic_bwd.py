@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
-from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _smem_tiles, causal_kv_range, loop
+from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,7 @@ class BwdTiling:
     seq_k: int
     causal: bool
     scale: float
+    tile_major: bool = False
 
 
 def _params():
@@ -197,11 +198,12 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
             collective_axes="wg",
         )
 
+    grid, names = grid_spec(k_len // (COMPUTE_WGS * block_kv), kv_heads, batch, "kv_seq", t.tile_major)
     return plgpu.kernel(
         entry,
         out_type=(k, v),
-        grid=(kv_heads, k_len // (COMPUTE_WGS * block_kv), batch),
-        grid_names=("heads", "kv_seq", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),
@@ -220,7 +222,7 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
     stages = max(1, min(t.stages, n_kv))
     offset = t.seq_k - t.seq_q
     scale_log2 = t.scale * LOG2E
-    ft = FwdTiling(block_q, block_kv, stages, t.seq_q, t.seq_k, t.causal, t.scale)
+    ft = FwdTiling(block_q, block_kv, stages, t.seq_q, t.seq_k, t.causal, t.scale, t.tile_major)
 
     def kv_range(q_start, rows):
         if not t.causal:
@@ -232,7 +234,7 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
-        cta_q = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+        cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
         cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
 
         @pl.when(wg < COMPUTE_WGS)
@@ -342,11 +344,12 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
             smem, ready, free, collective_axes="wg",
         )
 
+    grid, names = grid_spec(q_len // (COMPUTE_WGS * block_q), heads, batch, "q_seq", t.tile_major)
     return plgpu.kernel(
         entry,
         out_type=q,
-        grid=(heads, q_len // (COMPUTE_WGS * block_q), batch),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=_params(),

@@ -50,6 +50,14 @@ class FwdTiling:
     seq_k: int
     causal: bool
     scale: float
+    tile_major: bool = False
+
+
+def grid_spec(tiles: int, heads: int, batch: int, tile_name: str, tile_major: bool):
+    """(grid, grid_names): tile-major puts a head's tiles on consecutive CTAs (L2 reuse of K/V)."""
+    if tile_major:
+        return (tiles, heads, batch), (tile_name, "heads", "batch")
+    return (heads, tiles, batch), ("heads", tile_name, "batch")
 
 
 def _smem_tiles():
@@ -71,6 +79,13 @@ def causal_kv_range(q_start, rows: int, *, block_kv: int, n_kv: int, t: FwdTilin
     # A tile is unmasked when its last key is visible to the first row.
     full = lax.div(jnp.maximum(q_start + offset + 1, 0), block_kv)
     return end, jnp.minimum(jnp.minimum(full, end), full_tail)
+
+
+def _q_pair(q_len: int, block_q: int, causal: bool):
+    """This CTA's pair of query tiles. Causal: the last (longest) rows first, so that
+    the short CTAs fill the tail of the schedule instead of the long ones."""
+    index = lax.axis_index("q_seq")
+    return q_len // (COMPUTE_WGS * block_q) - 1 - index if causal else index
 
 
 def loop(lo, hi, body, carry):
@@ -104,7 +119,7 @@ def forward(q, k, v, t: FwdTiling):
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
-        cta_q = lax.axis_index("q_seq") * (COMPUTE_WGS * block_q)
+        cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
         cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
 
         def schedule_turn():
@@ -262,11 +277,12 @@ def forward(q, k, v, t: FwdTiling):
             collective_axes="wg",
         )
 
+    grid, names = grid_spec(q_len // (COMPUTE_WGS * block_q), heads, batch, "q_seq", t.tile_major)
     o, lse2 = plgpu.kernel(
         entry,
         out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
-        grid=(heads, q_len // (COMPUTE_WGS * block_q), batch),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
