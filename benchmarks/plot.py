@@ -53,6 +53,17 @@ def _cells(results: dict, config: str) -> list[dict]:
     return [e for e in results["cells"].values() if e["config"] == config]
 
 
+def _style(impl: str) -> dict:
+    """One colour per implementation in every panel and file; flashjax drawn on top, thicker."""
+    import matplotlib.pyplot as plt
+
+    order = list(NAMES) + [impl]
+    colour = plt.get_cmap("tab10")(order.index(impl) % 10)
+    ours = impl.startswith("flashjax")
+    return dict(color=colour, label=NAMES.get(impl, impl), marker="o", linewidth=2.5 if ours else 1.2,
+                zorder=3 if ours else 2)
+
+
 def _impls(cells: list[dict]) -> list[str]:
     present = {e["impl"] for e in cells}
     return [i for i in NAMES if i in present] + sorted(present - set(NAMES))
@@ -83,8 +94,7 @@ def plot_file(path: Path, config: str, out_dir: Path | None = None) -> list[Path
                 pts = sorted((e["seq"], e["tflops"]) for e in cells
                              if e["impl"] == impl and e["mode"] == mode and e["causal"] == causal and e["status"] == "ok")
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=NAMES.get(impl, impl),
-                            linewidth=2.5 if impl == "flashjax" else 1.2)
+                    ax.plot(*zip(*pts), **_style(impl))
             _seq_axis(ax, cells)
             ax.set_ylim(bottom=0)
             ax.set_title(f"{'forward' if mode == 'fwd' else 'forward + backward'}, {'causal' if causal else 'not causal'}")
@@ -100,21 +110,26 @@ def plot_file(path: Path, config: str, out_dir: Path | None = None) -> list[Path
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
 
+    # A log axis has no 0: implementations with no temporary buffer sit on a floor line.
+    floor_mib = 1e-4
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, mode in zip(axes, ("fwd", "fwdbwd")):
         for impl in _impls(cells):
-            pts = sorted((e["seq"], e["temp_bytes"] / 2**20) for e in cells
-                         if e["impl"] == impl and e["mode"] == mode and not e["causal"] and e.get("temp_bytes"))
+            pts = sorted((e["seq"], max(e["temp_bytes"] / 2**20, floor_mib)) for e in cells
+                         if e["impl"] == impl and e["mode"] == mode and not e["causal"] and e.get("temp_bytes") is not None
+                         and e["status"] in ("ok", "mismatch"))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=NAMES.get(impl, impl))
+                ax.plot(*zip(*pts), **_style(impl))
+        ax.axhline(floor_mib, color="grey", linewidth=0.8, linestyle=":")
         _seq_axis(ax, cells)
         ax.set_yscale("log")
-        ax.set_title(f"temp memory, {'forward' if mode == 'fwd' else 'forward + backward'} (not causal)")
+        ax.set_title(f"compiled temp memory, {'forward' if mode == 'fwd' else 'forward + backward'} (not causal)")
         ax.set_xlabel("sequence length T")
-        ax.set_ylabel("MiB (compiled memory analysis)")
+        ax.set_ylabel("temp MiB (0 on the dotted floor)")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     written.append(out_dir / f"{stem}-{config}-memory.png")
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
