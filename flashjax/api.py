@@ -121,7 +121,7 @@ def flash_attention(
     window = _check_window(window)
     _check_options(causal, softcap, dropout_rate, dropout_rng, backend, config)
     shape = (batch, heads, seq_q, seq_k)
-    q_segments, kv_segments = _check_segments(segment_ids, batch, seq_q, seq_k)
+    q_segments, kv_segments = check_segment_ids(segment_ids, batch, seq_q, seq_k)
     extras = Extras(
         bias=_check_pair_array("bias", bias, shape, floating=True),
         mask=_check_pair_array("mask", mask, shape, floating=False),
@@ -327,7 +327,11 @@ def _check_pair_array(name: str, x, shape: tuple[int, ...], *, floating: bool):
     return x.reshape(full)
 
 
-def _check_segments(segment_ids, batch: int, seq_q: int, seq_k: int):
+def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
+    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from one array or a pair; (None, None) without ids.
+
+    Shared with `flashjax.ring`, which takes the same argument.
+    """
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import reference
+from flashjax import api, reference
 from flashjax.config import Config
 from flashjax.kernels import triton as triton_backend
 from flashjax.params import AttentionParams, Extras
@@ -311,26 +311,8 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
 
 def _check_segments(segment_ids, batch: int, seq_q: int, seq_k: int):
     """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from `segment_ids`, or None without ids."""
-    if segment_ids is None:
-        return None
-    if isinstance(segment_ids, (tuple, list)):
-        if len(segment_ids) != 2:
-            raise ValueError("segment_ids must be an array [batch, seq] or a pair (q_segment_ids, kv_segment_ids).")
-        q_ids, kv_ids = segment_ids
-    else:
-        if seq_q != seq_k:
-            raise ValueError(
-                f"segment_ids as one array needs q and k of the same length (got {seq_q} and {seq_k}); "
-                "pass a pair (q_segment_ids [batch, seq], kv_segment_ids [batch, kv_seq])."
-            )
-        q_ids = kv_ids = segment_ids
-    for name, ids, length in (("q segment_ids", q_ids, seq_q), ("kv segment_ids", kv_ids, seq_k)):
-        if getattr(ids, "shape", None) is None or tuple(ids.shape) != (batch, length):
-            got = getattr(ids, "shape", type(ids).__name__)
-            raise ValueError(f"{name} must have shape {(batch, length)} [batch, seq], got {got}.")
-        if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
-    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    q_ids, kv_ids = api.check_segment_ids(segment_ids, batch, seq_q, seq_k)
+    return None if q_ids is None else (q_ids, kv_ids)
 
 
 # ---- one block: the kernels, or plain JAX ---------------------------------------------
