@@ -161,6 +161,9 @@ class MosaicConfig:
       tile_major: launch the CTAs of one (batch, head) back to back (the tile index
         is the fastest grid axis) instead of the heads. Sharing K/V in L2 that way
         measured 3-10% slower on the H100 (d128 and d64), hence off.
+      bwd_pingpong: in both backward kernels, issue each phase's products as one
+        wgmma group and alternate the two consumer warpgroups on the tensor cores
+        (the forward's schedule barrier).
     """
 
     block_q: int = 64
@@ -171,6 +174,7 @@ class MosaicConfig:
     bwd_stages: int = 2
     dq_block_kv: int = 128
     tile_major: bool = False
+    bwd_pingpong: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_kv"):

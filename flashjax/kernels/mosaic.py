@@ -101,6 +101,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     t = mosaic_bwd.BwdTiling(
         block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
         seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
+        pingpong=config.bwd_pingpong,
     )
     dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
     dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))

@@ -46,6 +46,18 @@ class BwdTiling:
     causal: bool
     scale: float
     tile_major: bool = False
+    pingpong: bool = False
+
+
+def _turn(schedule, enabled: bool):
+    """One turn of the ping-pong between the two consumer warpgroups (a no-op when disabled)."""
+
+    def turn():
+        if enabled:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    return turn
 
 
 def _params():
@@ -76,7 +88,8 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, schedule = scoped
+        turn = _turn(schedule, t.pingpong)
         cta_k = lax.axis_index("kv_seq") * (COMPUTE_WGS * block_kv)
         cta_lo, _ = q_range(cta_k)
         per_head = n_q - cta_lo  # query tiles streamed per query head
@@ -99,7 +112,45 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
 
+            def step_pingpong(s, i, carry, masked: bool):
+                # Two phases, each one wgmma group: (S^T, dP^T), then (dV, dK). The
+                # schedule barrier hands the tensor cores to the other warpgroup while
+                # this one computes P^T and dS^T.
+                dk, dv = carry
+                slot = lax.rem(s, stages)
+                wait_inputs(slot)
+
+                def products(st_ref, dpt_ref):
+                    plgpu.wgmma(st_ref, k_smem, q_smem.at[slot].transpose((1, 0)))  # S^T = K Q^T
+                    plgpu.wgmma(dpt_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+                    turn()
+                    return st_ref[...], dpt_ref[...]
+
+                acc = plgpu.ACC((block_kv, block_q), jnp.float32)
+                s_t, dp_t = pl.run_scoped(products, acc, acc)
+                if masked:
+                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
+                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                p16, ds16 = p_t.astype(dtype), ds_t.astype(dtype)
+                turn()
+
+                def grads(refs):
+                    dv_ref, dk_ref = refs
+                    plgpu.wgmma(dv_ref, p16, do_smem.at[slot])  # dV += P^T dO
+                    plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])  # dK += dS^T Q
+
+                dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
             def step(s, i, carry, masked: bool):
+                if t.pingpong:
+                    return step_pingpong(s, i, carry, masked)
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
@@ -140,6 +191,8 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
                 plgpu.barrier_arrive(free.at[slot])
+                turn()
+                turn()
 
             def head(g, carry):
                 base = g * per_head - cta_lo  # ring step of query tile i is base + i
@@ -149,7 +202,11 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
 
             zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            if t.pingpong:
+                pl.when(wg == 1)(turn)  # the consumers run half a step apart
             dk, dv = loop(0, group, head, (zero, zero))
+            if t.pingpong:
+                pl.when(wg == 0)(turn)
             # The scale of S = scale * Q K^T enters dK once; dV needs none.
             k_smem[...] = (dk * t.scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
@@ -195,6 +252,7 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped),
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
@@ -233,7 +291,8 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free), schedule = scoped
+        turn = _turn(schedule, t.pingpong)
         cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
         cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
 
@@ -255,7 +314,40 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
             lse = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
+            def step_pingpong(j, acc, masked: bool):
+                # (S, dP) as one wgmma group, then dQ; the other warpgroup's products
+                # run while this one computes P and dS.
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def products(s_ref, dp_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    turn()
+                    return s_ref[...], dp_ref[...]
+
+                tile = plgpu.ACC((block_q, block_kv), jnp.float32)
+                s, dp = pl.run_scoped(products, tile, tile)
+                plgpu.barrier_arrive(v_free.at[slot])
+                if masked:
+                    rows_ = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols + j * block_kv <= rows_ + (q_start + offset), s, -jnp.inf)
+                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                ds16 = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+                turn()
+
+                def dq_(acc_ref):
+                    plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])  # dQ += dS K
+
+                acc = pl.run_state(dq_)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return acc
+
             def step(j, acc, masked: bool):
+                if t.pingpong:
+                    return step_pingpong(j, acc, masked)
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
 
@@ -287,6 +379,8 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
                 return acc
 
             acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            if t.pingpong:
+                pl.when(wg == 1)(turn)  # the consumers run half a step apart
             acc = loop(0, full, lambda j, c: step(j, c, masked=False), acc)
             acc = loop(full, end, lambda j, c: step(j, c, masked=True), acc)
 
@@ -294,9 +388,13 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
                 slot = lax.rem(j, stages)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
+                turn()
+                turn()
 
             if t.causal:
                 lax.fori_loop(end, cta_end, drain, None)
+            if t.pingpong:
+                pl.when(wg == 0)(turn)
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -341,7 +439,7 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped),
-            smem, ready, free, collective_axes="wg",
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg",
         )
 
     grid, names = grid_spec(q_len // (COMPUTE_WGS * block_q), heads, batch, "q_seq", t.tile_major)
