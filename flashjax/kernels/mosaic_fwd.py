@@ -89,11 +89,12 @@ def _q_pair(q_len: int, block_q: int, causal: bool):
 
 
 def loop(lo, hi, body, carry):
-    """fori_loop that emits nothing for a static empty range (Mosaic GPU rejects zero-trip scans)."""
+    """fori_loop that emits nothing for a static empty range: the Mosaic GPU lowering of
+    a zero-trip loop with constant bounds fails ("Shaped arrays must be represented by
+    ir.Values")."""
     if isinstance(lo, int) and isinstance(hi, int):
         if hi <= lo:
             return carry
-        # A static range still goes through a dynamic loop: scans would unroll nothing but cost compile time.
         return lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, carry)
     return lax.fori_loop(lo, hi, body, carry)
 
