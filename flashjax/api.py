@@ -99,11 +99,16 @@ def flash_attention(
         (Flax's ``broadcast_dropout=True``).
       return_lse: also return the row logsumexp ``[batch, heads, q_len]``
         (float32, natural log, ``-inf`` for rows that see no key).
-      backend: ``"auto"`` (the Pallas kernels on a CUDA GPU; elsewhere interpret
-        mode for small problems and the reference beyond), ``"triton"`` (the
-        Pallas Triton kernels; interpret mode without a GPU), ``"xla"`` (the
-        pure-JAX reference, differentiated by JAX) or ``"mosaic"`` (Hopper).
-      config: kernel tiling (`flashjax.Config`); ``None`` picks the tuned default.
+      backend: ``"auto"`` (on an sm90 GPU, H100/H200, the Mosaic GPU kernels for
+        bf16/fp16 calls without bias, mask, segments, lengths, window, softcap,
+        ALiBi or dropout, the Triton kernels otherwise; on other CUDA GPUs the
+        Triton kernels; without a GPU, interpret mode for small problems and the
+        reference beyond), ``"triton"`` (the Pallas Triton kernels; interpret mode
+        without a GPU), ``"mosaic"`` (the Hopper kernels: wgmma, TMA, warp
+        specialisation; raises ``NotImplementedError`` naming what they lack) or
+        ``"xla"`` (the pure-JAX reference, differentiated by JAX).
+      config: kernel tiling (`flashjax.Config`, whose ``mosaic`` field is a
+        `flashjax.MosaicConfig`); ``None`` picks the tuned default.
 
     Returns:
       The attention output ``[batch, q_len, heads, head_dim]`` in ``q``'s dtype,
