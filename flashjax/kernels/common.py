@@ -180,3 +180,27 @@ def visit_tiles(block_range: BlockRange, step, carry, *, lower_boundary: bool, u
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def pad_tokens(x, length: int, head_dim: int):
+    """Zero-pads [B, T, H, D] to [B, length, H, head_dim] (no copy when already aligned)."""
+    pad_t, pad_d = length - x.shape[1], head_dim - x.shape[3]
+    if pad_t == 0 and pad_d == 0:
+        return x
+    return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
+
+
+def backward_rows(o, do, lse, dlse, q_len: int):
+    """The backward kernels' per-row inputs: (lse2, delta), float32 [B, H, q_len].
+
+    delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds
+    its path (d lse / d S = P) to dS = P * (dP - delta) for free. lse2 is the base-2
+    logsumexp; rows that see no key (lse = -inf) and padded rows get +inf, so that
+    P = exp2(S - lse2) = 0 there.
+    """
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    rows = ((0, 0), (0, 0), (0, q_len - lse.shape[2]))
+    return jnp.pad(lse2, rows, constant_values=jnp.inf), jnp.pad(delta, rows)

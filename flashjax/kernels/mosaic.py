@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax.numpy as jnp
-
 from flashjax.config import MosaicConfig
 from flashjax.kernels import common, mosaic_bwd, mosaic_fwd
 from flashjax.params import AttentionParams, Extras
@@ -37,14 +35,6 @@ def padded_head_dim(head_dim: int) -> int:
 def config_for(params: AttentionParams, head_dim: int) -> MosaicConfig:
     config = getattr(params.config, "mosaic", None)
     return config if config is not None else MosaicConfig.default(padded_head_dim(head_dim))
-
-
-def _pad(x, length: int, head_dim: int):
-    """Zero-pads [B, T, H, D] to [B, length, H, head_dim]."""
-    pad_t, pad_d = length - x.shape[1], head_dim - x.shape[3]
-    if pad_t == 0 and pad_d == 0:
-        return x
-    return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
 
 
 def _fwd_tiling(q, k, params: AttentionParams) -> mosaic_fwd.FwdTiling:
@@ -66,7 +56,8 @@ def forward(q, k, v, extras: Extras, params: AttentionParams):
     dim = padded_head_dim(head_dim)
     q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * t.block_q)
     k_len = common.round_up(k.shape[1], t.block_kv)
-    o, lse2 = mosaic_fwd.forward(_pad(q, q_len, dim), _pad(k, k_len, dim), _pad(v, k_len, dim), t)
+    pad = common.pad_tokens
+    o, lse2 = mosaic_fwd.forward(pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t)
     return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
 
 
@@ -87,17 +78,10 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     # The dQ kernel takes query tiles in pairs and the dK/dV kernel key tiles in pairs.
     q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * block_q)
     k_len = common.round_up(seq_k, math.lcm(mosaic_fwd.COMPUTE_WGS * block_kv, dq_block_kv))
-    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
-    # path (d lse / d S = P) to dS = P * (dP - delta) for free.
-    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
-    if dlse is not None:
-        delta = delta - dlse
-    # Rows that see no key (lse = -inf) and padded rows get +inf so that P = exp2(S - lse2) = 0.
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E)
-    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_len - seq_q)), constant_values=jnp.inf)
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, q_len - seq_q)))
-    qp, dop = _pad(q, q_len, dim), _pad(do.astype(q.dtype), q_len, dim)
-    kp, vp = _pad(k, k_len, dim), _pad(v, k_len, dim)
+    lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
+    pad = common.pad_tokens
+    qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
+    kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
     t = mosaic_bwd.BwdTiling(
         block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
         seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,

@@ -49,12 +49,12 @@ def _layout(q, k, extras: Extras, params: AttentionParams) -> _Layout:
     )
 
 
-def _pad(x, length: int, head_dim: int):
-    """Zero-pads [B, T, H, D] to [B, length, H, head_dim]."""
-    pad_t, pad_d = length - x.shape[1], head_dim - x.shape[3]
-    if pad_t == 0 and pad_d == 0:
-        return x
-    return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
+def _pad_q(x, layout: _Layout):
+    return common.pad_tokens(x, layout.q_len, layout.head_dim)
+
+
+def _pad_k(x, layout: _Layout):
+    return common.pad_tokens(x, layout.k_len, layout.head_dim)
 
 
 def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0, broadcast: bool = False):
@@ -117,8 +117,7 @@ def forward(q, k, v, extras: Extras, params: AttentionParams):
     layout = _layout(q, k, extras, params)
     fwd = layout.config.fwd
     o, lse2 = triton_fwd.forward(
-        _pad(q, layout.q_len, layout.head_dim), _pad(k, layout.k_len, layout.head_dim),
-        _pad(v, layout.k_len, layout.head_dim),
+        _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout),
         _tile_inputs(extras, q, k, layout, fwd.block_q, fwd.block_k, by_key_block=False),
         scorer=_scorer(params, seq_q, k.shape[1]), config=fwd, interpret=params.interpret,
     )
@@ -133,18 +132,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     layout = _layout(q, k, extras, params)
     config = layout.config
-    # delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds its
-    # path (d lse / d S = P) to dS = P * (dP - delta) for free.
-    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
-    if dlse is not None:
-        delta = delta - dlse
-    # Empty rows (lse = -inf) and padded rows get +inf so that P = exp2(S - lse2) = 0.
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * common.LOG2E)
-    lse2 = _pad_axis(lse2, 2, layout.q_len, value=jnp.inf)
-    delta = _pad_axis(delta, 2, layout.q_len, value=0.0)
+    lse2, delta = common.backward_rows(o, do, lse, dlse, layout.q_len)
     padded = (
-        _pad(q, layout.q_len, layout.head_dim), _pad(k, layout.k_len, layout.head_dim),
-        _pad(v, layout.k_len, layout.head_dim), _pad(do, layout.q_len, layout.head_dim),
+        _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout), _pad_q(do, layout),
     )
     scorer = _scorer(params, seq_q, seq_k)
     x_dq = _tile_inputs(extras, q, k, layout, config.dq.block_q, config.dq.block_k, by_key_block=False)
