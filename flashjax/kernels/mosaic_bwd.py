@@ -37,15 +37,9 @@ from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_t
 
 
 @dataclasses.dataclass(frozen=True)
-class BwdTiling:
-    block_q: int
-    block_kv: int
-    stages: int
-    seq_q: int
-    seq_k: int
-    causal: bool
-    scale: float
-    tile_major: bool = False
+class BwdTiling(FwdTiling):
+    """The forward's static shape, plus whether the consumers ping-pong on the tensor cores."""
+
     pingpong: bool = False
 
 
