@@ -197,3 +197,25 @@ def test_xla_backend_forced(spies):
     q = jnp.zeros((1, 16, 2, 16), jnp.float32)
     flashjax.flash_attention(q, q, q, backend="xla")
     assert len(spies["reference"]) == 1 and not spies["kernels"]
+
+
+# ---- backend="auto" on a GPU: Mosaic on Hopper for what it supports, Triton otherwise ----
+@pytest.mark.parametrize(
+    "hopper,dtype,options,expected",
+    [
+        pytest.param(True, jnp.bfloat16, {}, "mosaic", id="hopper-bf16"),
+        pytest.param(True, jnp.float16, dict(causal=True), "mosaic", id="hopper-f16-causal"),
+        pytest.param(True, jnp.float32, {}, "triton", id="hopper-f32"),
+        pytest.param(True, jnp.bfloat16, dict(window=(8, 0)), "triton", id="hopper-window"),
+        pytest.param(True, jnp.bfloat16, dict(softcap=30.0), "triton", id="hopper-softcap"),
+        pytest.param(False, jnp.bfloat16, {}, "triton", id="other-gpu-bf16"),
+    ],
+)
+def test_auto_backend_on_a_gpu(spies, monkeypatch, hopper, dtype, options, expected):
+    monkeypatch.setattr(api, "_platform", lambda: "gpu")
+    monkeypatch.setattr(api, "_is_hopper", lambda: hopper)
+    api._kernel_attention.clear_cache()  # so that the stub is traced, not a cached kernel call
+    q = jnp.zeros((1, 64, 2, 64), dtype)
+    flashjax.flash_attention(q, q, q, backend="auto", **options)
+    assert [p.backend for p in spies["kernels"]] == [expected]
+    assert not spies["kernels"][0].interpret, "on a GPU the kernels are compiled"
