@@ -43,11 +43,26 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / d) if d else float(np.linalg.norm(a))
 
 
-def check(cases, grads: bool):
+def config_with(variant, head_dim):
+    """Config whose MosaicConfig is the tuned one of this head dim with "key=value,..." applied."""
+    if not variant:
+        return None
+    kw = {key: int(value) if value.isdigit() else value for key, value in (kv.split("=") for kv in variant.split(",") if kv)}
+    mosaic = dataclasses.replace(MosaicConfig.default(mosaic_head_dim(head_dim)), **kw)
+    cfg = Config.default(head_dim, jnp.bfloat16)
+    return Config(cfg.fwd, cfg.dkv, cfg.dq, mosaic)
+
+
+def mosaic_head_dim(head_dim):
+    return next(d for d in (64, 128, 256) if head_dim <= d)
+
+
+def check(cases, grads: bool, variant=None):
     """Forward (and gradients) of backend='mosaic' against the float32 reference."""
     rows = []
     for i, (b, tq, tk, h, hkv, d, dtype, causal, mul) in enumerate(cases):
-        name = f"B{b} q{tq} k{tk} h{h}/{hkv} d{d} {jnp.dtype(dtype).name} {'causal' if causal else 'full'}" + (f" x{mul}" if mul != 1 else "")
+        name = f"B{b} q{tq} k{tk} h{h}/{hkv} d{d} {jnp.dtype(dtype).name} {'causal' if causal else 'full'}" + (f" x{mul}" if mul != 1 else "") + (f" [{variant}]" if variant else "")
+        cfg = config_with(variant, d)
         try:
             ks = jax.random.split(jax.random.PRNGKey(100 + i), 5)
             q = (jax.random.normal(ks[0], (b, tq, h, d), jnp.float32) * mul).astype(dtype)
@@ -60,7 +75,7 @@ def check(cases, grads: bool):
                 (o, lse), vjp = jax.vjp(fn, *xs)
                 return (o, lse) + (vjp((do.astype(o.dtype), dlse)) if grads else ())
 
-            got = run(jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, return_lse=True, backend="mosaic")), q, k, v)
+            got = run(jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, return_lse=True, backend="mosaic", config=cfg)), q, k, v)
             up = [x.astype(jnp.float32) for x in (q, k, v)]
             want = run(jax.jit(lambda q, k, v: reference.attention(q, k, v, causal=causal, return_lse=True)), *up)
             lse_g, lse_w = np.asarray(got[1]), np.asarray(want[1])
@@ -91,13 +106,7 @@ def bench(seqlens, modes, causals, impls, variants, head_dim=128, heads=16):
                         if impl == "cudnn":
                             fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
                         else:
-                            cfg = None
-                            if var is not None:
-                                # "key=value,key=value" over the tuned MosaicConfig of this head dim.
-                                kw = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in var.split(",") if kv}
-                                mosaic = dataclasses.replace(MosaicConfig.default(head_dim), **kw)
-                                cfg = Config.default(head_dim, jnp.bfloat16)
-                                cfg = Config(cfg.fwd, cfg.dkv, cfg.dq, mosaic)
+                            cfg = config_with(var, head_dim)
                             fn = functools.partial(flashjax.flash_attention, causal=causal, backend=impl, config=cfg)
                         if mode == "fwd":
                             f = jax.jit(lambda q, k, v, do, fn=fn: fn(q, k, v))
@@ -141,11 +150,15 @@ def main():
     p.add_argument("--impls", default="mosaic,triton,cudnn")
     p.add_argument("--variants", default="", help="';'-separated MosaicConfig overrides, e.g. 'block_kv=64,stages=3;dq_block_kv=128'")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--check-variants", default="", help="';'-separated MosaicConfig overrides the checks also run with")
     a = p.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     t0 = time.time()
     cases = [CHECKS[int(i)] for i in a.checks.split(",")] if a.checks else CHECKS
-    crow = [] if a.no_check else check(cases, a.grads)
+    crow = []
+    if not a.no_check:
+        for variant in [None] + [v for v in a.check_variants.split(";") if v]:
+            crow += check(cases, a.grads, variant)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
     variants = a.variants.split(";") if a.variants else [None]
     heads = 2048 // a.head_dim if a.head_dim != 256 else 8

@@ -5,6 +5,7 @@ mbarriers, which JAX 0.11 cannot execute in CPU interpret mode. The API's refusa
 (unsupported features, no Hopper GPU) are checked on every machine.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import flashjax
 from flashjax import api
+from flashjax.kernels import mosaic
 
 HOPPER = api._is_hopper()
 SKIP_REASON = "Mosaic GPU kernels need an sm90 (Hopper) GPU; JAX cannot run them in CPU interpret mode"
@@ -73,6 +75,33 @@ def test_rows_without_keys(make_inputs, kernel_vjp, reference_vjp, assert_result
     np.testing.assert_array_equal(np.asarray(got.o[:, :500], np.float32), 0.0)
     assert np.all(np.asarray(got.lse[:, :, :500]) == -np.inf)
     np.testing.assert_array_equal(np.asarray(got.dq[:, :500], np.float32), 0.0)
+
+
+SCHEDULE_SHAPES = [
+    pytest.param((2, 1024, 1024, 4, 2, 128), id="T1024-d128-gqa2"),
+    pytest.param((1, 700, 200, 4, 4, 128), id="q700>k200"),  # causal: rows without keys
+    pytest.param((1, 130, 1000, 8, 2, 64), id="q130<k1000-d64"),
+    pytest.param((1, 300, 257, 2, 2, 256), id="q300-k257-d256"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("schedule", ["pingpong", "overlap", "overlap_pingpong"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SCHEDULE_SHAPES)
+def test_forward_schedules(make_inputs, reference_fwd, assert_close, assert_lse_close, shape, causal, schedule):
+    """Every MosaicConfig.fwd_schedule, not only the one "auto" picks for this call."""
+    from flashjax.config import Config, MosaicConfig
+
+    head_dim = shape[-1]
+    x = make_inputs(*shape, dtype=BF16)
+    base = Config.default(head_dim, BF16)
+    tiling = dataclasses.replace(MosaicConfig.default(mosaic.padded_head_dim(head_dim)), fwd_schedule=schedule)
+    config = Config(base.fwd, base.dkv, base.dq, tiling)
+    o, lse = flashjax.flash_attention(x.q, x.k, x.v, causal=causal, return_lse=True, backend="mosaic", config=config)
+    want_o, want_lse = reference_fwd(x.q, x.k, x.v, causal=causal)
+    assert_close(o, want_o, BF16, f"o ({schedule})")
+    assert_lse_close(lse, want_lse, BF16)
 
 
 @requires_hopper

@@ -37,6 +37,13 @@ def config_for(params: AttentionParams, head_dim: int) -> MosaicConfig:
     return config if config is not None else MosaicConfig.default(padded_head_dim(head_dim))
 
 
+def _fwd_schedule(schedule: str, causal: bool) -> dict:
+    """FwdTiling's overlap and pingpong flags for a MosaicConfig.fwd_schedule."""
+    if schedule == "auto":
+        schedule = "pingpong" if causal else "overlap"
+    return {"overlap": schedule.startswith("overlap"), "pingpong": schedule.endswith("pingpong")}
+
+
 def _fwd_tiling(q, k, params: AttentionParams) -> mosaic_fwd.FwdTiling:
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     config = config_for(params, head_dim)
@@ -45,6 +52,7 @@ def _fwd_tiling(q, k, params: AttentionParams) -> mosaic_fwd.FwdTiling:
     return mosaic_fwd.FwdTiling(
         block_q=config.block_q, block_kv=block_kv, stages=config.stages,
         seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
+        **_fwd_schedule(config.fwd_schedule, params.causal),
     )
 
 

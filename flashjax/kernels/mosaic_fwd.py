@@ -51,6 +51,8 @@ class FwdTiling:
     causal: bool
     scale: float
     tile_major: bool = False
+    overlap: bool = False
+    pingpong: bool = True
 
 
 def grid_spec(tiles: int, heads: int, batch: int, tile_name: str, tile_major: bool):
@@ -88,6 +90,10 @@ def _q_pair(q_len: int, block_q: int, causal: bool):
     return q_len // (COMPUTE_WGS * block_q) - 1 - index if causal else index
 
 
+def _at_least_one(n):
+    return max(n, 1) if isinstance(n, int) else jnp.maximum(n, 1)
+
+
 def loop(lo, hi, body, carry):
     """fori_loop that emits nothing for a static empty range: the Mosaic GPU lowering of
     a zero-trip loop with constant bounds fails ("Shaped arrays must be represented by
@@ -122,71 +128,71 @@ def forward(q, k, v, t: FwdTiling):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
         cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
         cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
+        if t.overlap:
+            # The pipelined loop always runs its first tile (masked, it is harmless for
+            # rows that see no key), so the producer always loads it.
+            cta_end = _at_least_one(cta_end)
 
         def schedule_turn():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+            if t.pingpong:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-            q_start = cta_q + wg * block_q
-            end, full_end = kv_range(q_start, block_q)
+        def mask_scores(s, j, q_start):
+            rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            cols = cols + j * block_kv
+            visible = cols < t.seq_k
+            if t.causal:
+                visible = visible & (cols <= rows + (q_start + offset))
+            return jnp.where(visible, s, -jnp.inf)
 
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
+        def online_softmax(s, m, masked: bool):
+            """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
+            p = exp2(s * scale_log2 - m) is one FMA + MUFU op."""
+            m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+            if masked:
+                # A row with no visible key so far keeps m = -inf; subtract 0 instead
+                # so that exp2 sees -inf - 0 = -inf (p = 0, alpha = 0), never NaN.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            else:
+                m_use = m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            return m_new, alpha, p
 
-            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        def synchronous_loop(acc, m, l, q_start, end, full_end, q_smem):
+            """Key tiles [0, end): each step waits for S = Q K^T, runs the softmax, then
+            waits for acc += P V (JAX's FA3 example)."""
 
             @pl.when(end > 0)
             def _():
                 plgpu.barrier_wait(k_ready.at[0])
-
-            # Offset the two consumers by half a step: wg 1 starts one turn late.
-            pl.when(wg == 1)(schedule_turn)
 
             def step(j, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(j, stages)
 
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                     schedule_turn()
                     return s_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    cols = cols + j * block_kv
-                    visible = cols < t.seq_k
-                    if t.causal:
-                        visible = visible & (cols <= rows + (q_start + offset))
-                    s = jnp.where(visible, s, -jnp.inf)
-
-                # m is kept in log2 units so that p = exp2(s * scale_log2 - m) is one FMA + MUFU.
-                m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-                if masked:
-                    # A row with no visible key so far keeps m = -inf; subtract 0 instead
-                    # so that exp2 sees -inf - 0 = -inf (p = 0, alpha = 0), never NaN.
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                else:
-                    m_use = m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                    s = mask_scores(s, j, q_start)
+                m_new, alpha, p = online_softmax(s, m, masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha
                 p16 = p.astype(dtype)
 
                 def end_softmax():
-                    plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may issue
+                    if t.pingpong:
+                        plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may issue
                     plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(schedule)  # tensor cores free again
+                    if t.pingpong:
+                        plgpu.barrier_wait(schedule)  # tensor cores free again
 
                 # The order follows JAX's FA3 example, where it was measured to matter.
                 if head_dim <= 128:
@@ -211,7 +217,95 @@ def forward(q, k, v, t: FwdTiling):
 
             carry = (acc, m, l)
             carry = loop(0, full_end, lambda j, c: step(j, c, masked=False), carry)
-            acc, m, l = loop(full_end, end, lambda j, c: step(j, c, masked=True), carry)
+            return loop(full_end, end, lambda j, c: step(j, c, masked=True), carry)
+
+        def overlapped_loop(acc, m, l, q_start, end, full_end, q_smem):
+            """Key tiles [0, end), end >= 1, software-pipelined (FlashAttention-3's
+            intra-warpgroup overlap): step j issues S_j = Q K_j^T and acc += P_{j-1} V_{j-1}
+            together, then runs tile j's softmax while the P V product is still on the
+            tensor cores, and only then waits for it to rescale acc."""
+            plgpu.barrier_wait(k_ready.at[0])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
+                schedule_turn()
+                return s_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[0])
+            first_masked = not (isinstance(full_end, int) and full_end >= 1)
+            if first_masked:
+                s = mask_scores(s, 0, q_start)
+            m, _, p = online_softmax(s, m, first_masked)  # acc is 0: nothing to rescale
+            l = p.sum(axis=1)
+            p16 = p.astype(dtype)
+            schedule_turn()
+
+            def step(j, carry, masked: bool):
+                acc, m, l, p16 = carry
+                slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[prev])
+
+                def body(s_ref, acc_ref):
+                    acc_ref[...] = acc
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+                    schedule_turn()
+                    # Masked tiles (the diagonal, the tail) wait for P V first: the mask's
+                    # index arrays beside P_{j-1} and the in-flight acc would not fit in
+                    # the registers. Unmasked tiles, the bulk, overlap.
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if masked:
+                        acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
+                        plgpu.barrier_arrive(v_free.at[prev])
+                        s = mask_scores(s, j, q_start)
+                    m_new, alpha, p = online_softmax(s, m, masked)
+                    l_new = l * alpha + p.sum(axis=1)
+                    p16_new = p.astype(dtype)
+                    if not masked:
+                        acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+                        plgpu.barrier_arrive(v_free.at[prev])
+                    schedule_turn()
+                    return acc_new * lax.broadcast_in_dim(alpha, acc_new.shape, [0]), m_new, l_new, p16_new
+
+                return pl.run_scoped(
+                    body, plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC((block_q, head_dim), jnp.float32)
+                )
+
+            unmasked_end = _at_least_one(full_end)
+            carry = (acc, m, l, p16)
+            carry = loop(1, unmasked_end, lambda j, c: step(j, c, masked=False), carry)
+            acc, m, l, p16 = loop(unmasked_end, end, lambda j, c: step(j, c, masked=True), carry)
+
+            last = lax.rem(end - 1, stages)
+            plgpu.barrier_wait(v_ready.at[last])
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[last]))(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[last])
+            return acc, m, l
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_start = cta_q + wg * block_q
+            end, full_end = kv_range(q_start, block_q)
+            if t.overlap:
+                end = _at_least_one(end)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            # Offset the two consumers by half a step: wg 1 starts one turn late. Both
+            # loops take two turns per key tile.
+            pl.when(wg == 1)(schedule_turn)
+            key_loop = overlapped_loop if t.overlap else synchronous_loop
+            acc, m, l = key_loop(acc, m, l, q_start, end, full_end, qo_smem)
 
             # The producer loads the CTA's key range (the longer of the two tiles' ranges):
             # release the slots this tile does not need and keep the schedule in step.
