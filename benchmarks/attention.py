@@ -33,7 +33,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashjax.config import device_slug  # noqa: E402  (file names shared with the library's tuning table)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TOKENS = 16384
@@ -136,9 +138,6 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def device_slug(name: str) -> str:
-    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
 def parse_list(text: str, allowed, kind: str, convert=str):

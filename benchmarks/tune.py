@@ -1,8 +1,17 @@
-"""Tile search for the three kernels, per head dim: prints a `_TUNED` table for flashjax/config.py.
+"""Tile search per head dim: the Triton kernels' `_TUNED` table, or the Hopper kernels' per-GPU table.
 
-    python benchmarks/tune.py                               # D = 64, 128, 256 at T = 8k, causal and not
+    python benchmarks/tune.py                               # Triton: D = 64, 128, 256 at T = 8k, causal and not
     python benchmarks/tune.py --head-dims 128 --seqlens 4096,8192 --max-candidates 16
+    python benchmarks/tune.py --backend mosaic --seqlens 4096,16384   # Hopper: writes flashjax/tuned_mosaic.json
     python benchmarks/tune.py --smoke                       # CPU: exercises the code path only
+
+Triton: prints a `_TUNED` literal to paste into flashjax/config.py. Mosaic (sm90 only):
+the forward's key tile and ring depth (timed forward) and the backward's dQ key tile
+and ring depth (timed forward+backward) are searched, and the winners are written
+into flashjax/tuned_mosaic.json under this GPU's name, which `MosaicConfig.default`
+reads (nothing is tuned at import or call time). The forward schedule is not searched:
+its choice depends on causality, which a per-head-dim entry cannot express (see
+MosaicConfig.fwd_schedule).
 
 For each head dim, each kernel is tuned with the other two at their current default:
 the forward by timing the forward; dK/dV and dQ by timing forward+backward (the
@@ -32,6 +41,13 @@ import attention as protocol  # noqa: E402  (benchmarks/attention.py: timing, FL
 
 KERNELS = ("fwd", "dkv", "dq")
 GRID = dict(block=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
+# Hopper kernels: MosaicConfig fields searched per group; "fwd" is scored on the
+# forward, "bwd" on forward+backward. Tiles that overflow shared memory fail to
+# compile and are skipped.
+MOSAIC_GROUPS = {
+    "fwd": dict(block_kv=(64, 128), stages=(2, 3, 4)),
+    "bwd": dict(dq_block_kv=(64, 128), bwd_stages=(2, 3)),
+}
 
 
 def heads_for(head_dim: int) -> int:
@@ -63,6 +79,24 @@ def candidates(head_dim: int, default, cap: int):
     return ordered[:cap]
 
 
+def mosaic_candidates(default, group: str, cap: int) -> list:
+    """MosaicConfigs varying the group's fields over MOSAIC_GROUPS, the default first, at most `cap`."""
+    fields = MOSAIC_GROUPS[group]
+    grid = [dataclasses.replace(default, **dict(zip(fields, values))) for values in itertools.product(*fields.values())]
+    return ([default] + [c for c in grid if c != default])[:cap]
+
+
+def update_mosaic_table(path: Path, device: str, head_dim: int, config, group_fields, note: str) -> dict:
+    """Writes the searched fields of `config` into the tuning file under this device and head dim."""
+    from flashjax.config import device_slug
+
+    table = json.loads(path.read_text()) if path.exists() else {}
+    entry = table.setdefault(device_slug(device), {})
+    entry[str(head_dim)] = {name: getattr(config, name) for name in group_fields} | {"_source": note}
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table
+
+
 def _config_literal(c) -> str:
     return f"KernelConfig({c.block_q}, {c.block_k}, {c.num_warps}, {c.num_stages})"
 
@@ -76,7 +110,7 @@ def tuned_literal(table: dict) -> str:
     return "\n".join(lines)
 
 
-def tune_kernel(head_dim, kernel, cands, settings, args, deadline) -> list[dict]:
+def tune_kernel(head_dim, kernel, cands, settings, args, deadline, backend: str = "triton") -> list[dict]:
     """Compiles every candidate (threads), then times each over the settings; one dict per candidate."""
     import jax
 
@@ -87,13 +121,19 @@ def tune_kernel(head_dim, kernel, cands, settings, args, deadline) -> list[dict]
     mode = "fwd" if kernel == "fwd" else "fwdbwd"
     heads = heads_for(head_dim)
     results = [dict(kernel=kernel, config=dataclasses.asdict(c), runs=[]) for c in cands]
+    checker = protocol.Checker()
+
+    def with_candidate(cand):
+        if backend == "mosaic":
+            return dataclasses.replace(base, mosaic=cand)
+        return dataclasses.replace(base, **{kernel: cand})
     for seq, causal in settings:
         cell = protocol.Cell(f"d{head_dim}", heads, heads, head_dim, seq, causal, mode, "flashjax", args.tokens)
         inputs = protocol.make_inputs(cell)
 
         def compile_one(cand):
-            config = dataclasses.replace(base, **{kernel: cand})
-            fn = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, backend="triton", config=config)
+            config = with_candidate(cand)
+            fn = lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, backend=backend, config=config)
             try:
                 return jax.jit(protocol.timed_fn(cell, fn)).lower(*inputs).compile(), None
             except Exception as e:  # a tile that does not compile (shared memory, registers) is skipped
@@ -107,8 +147,15 @@ def tune_kernel(head_dim, kernel, cands, settings, args, deadline) -> list[dict]
             run = dict(seq=seq, causal=causal, mode=mode)
             if executable is not None and time.perf_counter() < deadline:
                 try:
-                    median, _, _ = protocol.median_time(lambda: executable(*inputs), jax.block_until_ready, reps=args.reps)
-                    run.update(ms=median * 1e3, tflops=cell.flops() / median / 1e12)
+                    # A tile that computes the wrong thing fast must not win: the same
+                    # check against the float32 reference as the benchmark, then timing.
+                    errors = checker.check(cell, executable(*inputs), *inputs)
+                    run["rel_err"] = errors
+                    if max(errors.values()) >= protocol.TOLERANCE:
+                        error = f"mismatch: relative error {errors}"
+                    else:
+                        median, _, _ = protocol.median_time(lambda: executable(*inputs), jax.block_until_ready, reps=args.reps)
+                        run.update(ms=median * 1e3, tflops=cell.flops() / median / 1e12)
                 except Exception as e:
                     error = protocol.short_error(e)
             if "tflops" not in run:
@@ -124,6 +171,7 @@ def tune_kernel(head_dim, kernel, cands, settings, args, deadline) -> list[dict]
 def main(argv: list[str] | None = None) -> int:
     """Tunes the kernels, prints the `_TUNED` literal and writes the tuning JSON."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=("triton", "mosaic"), default="triton")
     p.add_argument("--head-dims", default="64,128,256")
     p.add_argument("--seqlens", default="8192", help="T values to score on, e.g. 4096,8192")
     p.add_argument("--causal", default="both", help="both | yes | no")
@@ -137,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU-sized: D=32, T=128, 2 candidates, 2 reps")
     args = p.parse_args(argv)
     if args.smoke:
-        args.head_dims, args.seqlens, args.causal = "32", "128", "yes"
+        args.head_dims, args.seqlens, args.causal = ("64" if args.backend == "mosaic" else "32"), "128", "yes"
         args.max_candidates, args.reps, args.tokens = min(args.max_candidates, 2), 2, 256
 
     import jax
@@ -159,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
     except ImportError:
         tqdm = lambda x, **_: x
+    if args.backend == "mosaic":
+        return tune_mosaic(args, head_dims, settings, report, deadline, start)
     for head_dim in tqdm(head_dims, desc="head dims"):
         base = Config.default(head_dim, "bfloat16")
         best = {}
@@ -184,6 +234,42 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=1)
     print(f"\n# {device}, {time.perf_counter() - start:.0f} s; paste into flashjax/config.py\n{literal}")
     print(f"results: {out}")
+    return 0
+
+
+def tune_mosaic(args, head_dims, settings, report, deadline, start) -> int:
+    """The Hopper kernels: each MOSAIC_GROUPS group searched in turn (the earlier winners kept)."""
+    from flashjax.config import MOSAIC_TUNING_FILE, MosaicConfig
+
+    device = report["device"]
+    out = Path(args.out) if args.out else protocol.RESULTS_DIR / f"tuning-mosaic-{protocol.device_slug(device)}.json"
+    for head_dim in head_dims:
+        best = MosaicConfig.default(head_dim, device_kind=device)
+        for group in MOSAIC_GROUPS:
+            cands = mosaic_candidates(best, group, args.max_candidates)
+            results = tune_kernel(head_dim, group, cands, settings, args, deadline, backend="mosaic")
+            report["results"][f"{head_dim}/{group}"] = results
+            scored = [(r["score"], c) for r, c in zip(results, cands) if r["score"] is not None]
+            default_score = results[0]["score"]
+            if scored:
+                top, best = max(scored, key=lambda x: x[0])
+                print(f"D={head_dim} {group}: best {dict((f, getattr(best, f)) for f in MOSAIC_GROUPS[group])} "
+                      f"{top:.3g} TF/s (default {default_score or float('nan'):.3g})", flush=True)
+        complete = all(r["score"] is not None for g in MOSAIC_GROUPS for r in report["results"][f"{head_dim}/{g}"][:1])
+        if complete:
+            fields = [f for g in MOSAIC_GROUPS.values() for f in g]
+            seqs = sorted({s["seq"] for s in report["settings"]})
+            causal = sorted({s["causal"] for s in report["settings"]})
+            note = f"benchmarks/tune.py --backend mosaic, {report['date']}, T in {seqs}, causal in {causal}"
+            update_mosaic_table(MOSAIC_TUNING_FILE, device, head_dim, best, fields, note)
+            report["tuned"] = {**report.get("tuned", {}), str(head_dim): dataclasses.asdict(best)}
+        else:
+            print(f"D={head_dim}: the default did not run on every setting; {MOSAIC_TUNING_FILE.name} left as it is")
+    # Each run is appended: tuning one head dim at a time keeps the others' measurements.
+    runs = json.loads(out.read_text()).get("runs", []) if out.exists() else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": runs + [report]}, indent=1))
+    print(f"# {device}, {time.perf_counter() - start:.0f} s; table: {MOSAIC_TUNING_FILE}\nresults: {out}")
     return 0
 
 

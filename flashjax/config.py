@@ -9,10 +9,17 @@ defaults; pass your own to `flash_attention(..., config=...)` to override them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 
 __all__ = ["Config", "KernelConfig", "MosaicConfig"]
+
+# Per-GPU tilings of the Hopper kernels measured by `benchmarks/tune.py --backend mosaic`.
+MOSAIC_TUNING_FILE = Path(__file__).with_name("tuned_mosaic.json")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -201,9 +208,44 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
 
     @classmethod
-    def default(cls, head_dim: int) -> "MosaicConfig":
-        """The tuned tiling for a head dim of 64, 128 or 256 (H100, bf16)."""
-        return _MOSAIC_TUNED[head_dim]
+    def default(cls, head_dim: int, device_kind: str | None = None) -> "MosaicConfig":
+        """The tiling for a head dim of 64, 128 or 256 on a GPU (default: the first JAX device).
+
+        The entry `benchmarks/tune.py --backend mosaic` measured for this GPU model in
+        flashjax/tuned_mosaic.json where there is one, else the built-in H100 table.
+        Nothing is timed here.
+        """
+        builtin = _MOSAIC_TUNED[head_dim]
+        if device_kind is None:
+            device_kind = _first_gpu_kind()
+        measured = _mosaic_tuning_table().get(device_slug(device_kind or ""), {}).get(str(head_dim))
+        return dataclasses.replace(builtin, **measured) if measured else builtin
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def _first_gpu_kind() -> str | None:
+    import jax
+
+    device = jax.devices()[0]
+    return device.device_kind if device.platform == "gpu" else None
+
+
+@functools.cache
+def _mosaic_tuning_table() -> dict:
+    """{device slug: {head dim: MosaicConfig fields}}, read once from MOSAIC_TUNING_FILE."""
+    if not MOSAIC_TUNING_FILE.exists():
+        return {}
+    with open(MOSAIC_TUNING_FILE) as f:
+        table = json.load(f)
+    fields = {field.name for field in dataclasses.fields(MosaicConfig)}
+    return {
+        device: {dim: {k: v for k, v in entry.items() if k in fields} for dim, entry in dims.items() if dim.isdigit()}
+        for device, dims in table.items()
+    }
 
 
 # Shared memory bounds the K/V tiles: D=256 holds 64-row tiles (2 stages of K and V
