@@ -33,7 +33,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
-from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop
+from flashjax.kernels.mosaic_fwd import (
+    COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, _turn, causal_kv_range, grid_spec, loop,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +43,6 @@ class BwdTiling(FwdTiling):
     """The forward's static shape, plus whether the consumers ping-pong on the tensor cores."""
 
     pingpong: bool = False
-
-
-def _turn(schedule, enabled: bool):
-    """One turn of the ping-pong between the two consumer warpgroups (a no-op when disabled)."""
-
-    def turn():
-        if enabled:
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-    return turn
 
 
 def _params():

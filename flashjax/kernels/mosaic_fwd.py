@@ -90,6 +90,17 @@ def _q_pair(q_len: int, block_q: int, causal: bool):
     return q_len // (COMPUTE_WGS * block_q) - 1 - index if causal else index
 
 
+def _turn(schedule, enabled: bool):
+    """One turn of the ping-pong between the two consumer warpgroups (a no-op when disabled)."""
+
+    def turn():
+        if enabled:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    return turn
+
+
 def _at_least_one(n):
     return max(n, 1) if isinstance(n, int) else jnp.maximum(n, 1)
 
@@ -133,10 +144,7 @@ def forward(q, k, v, t: FwdTiling):
             # rows that see no key), so the producer always loads it.
             cta_end = _at_least_one(cta_end)
 
-        def schedule_turn():
-            if t.pingpong:
-                plgpu.barrier_arrive(schedule)
-                plgpu.barrier_wait(schedule)
+        schedule_turn = _turn(schedule, t.pingpong)
 
         def mask_scores(s, j, q_start):
             rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
