@@ -11,8 +11,12 @@ FlashAttention-3 arrangement:
   before it overwrites a slot. It gives its registers to the consumers
   (`set_max_registers`).
 
-A schedule barrier ping-pongs the consumers: while one runs its softmax (the
-MUFU/FMA units), the other's matrix products run on the tensor cores.
+Two ways keep the tensor cores busy while a consumer runs its softmax (the MUFU/FMA
+units), chosen by `FwdTiling.overlap` and `.pingpong` (MosaicConfig.fwd_schedule):
+a schedule barrier that ping-pongs the consumers, so that one's softmax runs under
+the other's products (`synchronous_loop`), and a software-pipelined key loop in
+which each consumer's softmax of tile j runs under its own P V product of tile j-1
+(`overlapped_loop`).
 
 The arrays arrive padded to whole tiles (see `mosaic.py`); the true lengths are
 static. Causal is aligned bottom-right (query i sees keys j <= i + Tk - Tq): key
