@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flashjax  # noqa: E402
 from flashjax import reference  # noqa: E402
 from flashjax.config import Config, MosaicConfig  # noqa: E402
+from flashjax.kernels.mosaic import padded_head_dim  # noqa: E402
 from attention import flops, median_time  # noqa: E402
 
 TOKENS = 16384
@@ -48,13 +49,8 @@ def config_with(variant, head_dim):
     if not variant:
         return None
     kw = {key: int(value) if value.isdigit() else value for key, value in (kv.split("=") for kv in variant.split(",") if kv)}
-    mosaic = dataclasses.replace(MosaicConfig.default(mosaic_head_dim(head_dim)), **kw)
-    cfg = Config.default(head_dim, jnp.bfloat16)
-    return Config(cfg.fwd, cfg.dkv, cfg.dq, mosaic)
-
-
-def mosaic_head_dim(head_dim):
-    return next(d for d in (64, 128, 256) if head_dim <= d)
+    mosaic = dataclasses.replace(MosaicConfig.default(padded_head_dim(head_dim)), **kw)
+    return dataclasses.replace(Config.default(head_dim, jnp.bfloat16), mosaic=mosaic)
 
 
 def check(cases, grads: bool, variant=None):

@@ -171,9 +171,6 @@ class MosaicConfig:
       tile_major: launch the CTAs of one (batch, head) back to back (the tile index
         is the fastest grid axis) instead of the heads. Sharing K/V in L2 that way
         measured 3-10% slower on the H100 (d128 and d64), hence off.
-      bwd_pingpong: in both backward kernels, issue each phase's products as one
-        wgmma group and alternate the two consumer warpgroups on the tensor cores
-        (the forward's schedule barrier).
       fwd_schedule: how the forward's two consumer warpgroups share the tensor cores.
         "pingpong": each key step waits for its products; a shared barrier alternates
         the warpgroups so that one's softmax runs under the other's products (JAX's
@@ -193,7 +190,6 @@ class MosaicConfig:
     bwd_stages: int = 2
     dq_block_kv: int = 128
     tile_major: bool = False
-    bwd_pingpong: bool = False
     fwd_schedule: str = "auto"
 
     def __post_init__(self):

@@ -95,9 +95,8 @@ def test_forward_schedules(make_inputs, reference_fwd, assert_close, assert_lse_
 
     head_dim = shape[-1]
     x = make_inputs(*shape, dtype=BF16)
-    base = Config.default(head_dim, BF16)
     tiling = dataclasses.replace(MosaicConfig.default(mosaic.padded_head_dim(head_dim)), fwd_schedule=schedule)
-    config = Config(base.fwd, base.dkv, base.dq, tiling)
+    config = dataclasses.replace(Config.default(head_dim, BF16), mosaic=tiling)
     o, lse = flashjax.flash_attention(x.q, x.k, x.v, causal=causal, return_lse=True, backend="mosaic", config=config)
     want_o, want_lse = reference_fwd(x.q, x.k, x.v, causal=causal)
     assert_close(o, want_o, BF16, f"o ({schedule})")

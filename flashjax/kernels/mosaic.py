@@ -90,10 +90,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
     kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
-    t = mosaic_bwd.BwdTiling(
+    t = mosaic_fwd.FwdTiling(
         block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
         seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
-        pingpong=config.bwd_pingpong,
     )
     dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
     dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))

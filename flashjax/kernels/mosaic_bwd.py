@@ -24,32 +24,20 @@ V, so they add nothing to dQ, and their own dK/dV rows are dropped.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
-from flashjax.kernels.mosaic_fwd import (
-    COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, _turn, causal_kv_range, grid_spec, loop,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class BwdTiling(FwdTiling):
-    """The forward's static shape, plus whether the consumers ping-pong on the tensor cores."""
-
-    pingpong: bool = False
+from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop
 
 
 def _params():
     return plgpu.CompilerParams(approx_math=True)
 
 
-def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
+def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
@@ -73,8 +61,7 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free, schedule = scoped
-        turn = _turn(schedule, t.pingpong)
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
         cta_k = lax.axis_index("kv_seq") * (COMPUTE_WGS * block_kv)
         cta_lo, _ = q_range(cta_k)
         per_head = n_q - cta_lo  # query tiles streamed per query head
@@ -97,45 +84,7 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
 
-            def step_pingpong(s, i, carry, masked: bool):
-                # Two phases, each one wgmma group: (S^T, dP^T), then (dV, dK). The
-                # schedule barrier hands the tensor cores to the other warpgroup while
-                # this one computes P^T and dS^T.
-                dk, dv = carry
-                slot = lax.rem(s, stages)
-                wait_inputs(slot)
-
-                def products(st_ref, dpt_ref):
-                    plgpu.wgmma(st_ref, k_smem, q_smem.at[slot].transpose((1, 0)))  # S^T = K Q^T
-                    plgpu.wgmma(dpt_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
-                    turn()
-                    return st_ref[...], dpt_ref[...]
-
-                acc = plgpu.ACC((block_kv, block_q), jnp.float32)
-                s_t, dp_t = pl.run_scoped(products, acc, acc)
-                if masked:
-                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
-                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-                p16, ds16 = p_t.astype(dtype), ds_t.astype(dtype)
-                turn()
-
-                def grads(refs):
-                    dv_ref, dk_ref = refs
-                    plgpu.wgmma(dv_ref, p16, do_smem.at[slot])  # dV += P^T dO
-                    plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])  # dK += dS^T Q
-
-                dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-                plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
-
             def step(s, i, carry, masked: bool):
-                if t.pingpong:
-                    return step_pingpong(s, i, carry, masked)
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
@@ -176,8 +125,6 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
                 plgpu.barrier_arrive(free.at[slot])
-                turn()
-                turn()
 
             def head(g, carry):
                 base = g * per_head - cta_lo  # ring step of query tile i is base + i
@@ -187,11 +134,7 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
                 return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
 
             zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            if t.pingpong:
-                pl.when(wg == 1)(turn)  # the consumers run half a step apart
             dk, dv = loop(0, group, head, (zero, zero))
-            if t.pingpong:
-                pl.when(wg == 0)(turn)
             # The scale of S = scale * Q K^T enters dK once; dV needs none.
             k_smem[...] = (dk * t.scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
@@ -237,7 +180,6 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped),
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
@@ -253,7 +195,7 @@ def dkv(q, k, v, do, lse2, delta, t: BwdTiling):
     )(q, k, v, do, lse2, delta)
 
 
-def dq(q, k, v, do, lse2, delta, t: BwdTiling):
+def dq(q, k, v, do, lse2, delta, t: FwdTiling):
     """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics)."""
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
@@ -265,19 +207,17 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
     stages = max(1, min(t.stages, n_kv))
     offset = t.seq_k - t.seq_q
     scale_log2 = t.scale * LOG2E
-    ft = FwdTiling(block_q, block_kv, stages, t.seq_q, t.seq_k, t.causal, t.scale, t.tile_major)
 
     def kv_range(q_start, rows):
         if not t.causal:
             return n_kv, n_kv  # padded keys are zero rows of K: no tail mask needed here
-        return causal_kv_range(q_start, rows, block_kv=block_kv, n_kv=n_kv, t=ft)
+        return causal_kv_range(q_start, rows, block_kv=block_kv, n_kv=n_kv, t=t)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free), schedule = scoped
-        turn = _turn(schedule, t.pingpong)
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
         cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
         cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
 
@@ -299,40 +239,7 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
             lse = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-            def step_pingpong(j, acc, masked: bool):
-                # (S, dP) as one wgmma group, then dQ; the other warpgroup's products
-                # run while this one computes P and dS.
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-
-                def products(s_ref, dp_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-                    turn()
-                    return s_ref[...], dp_ref[...]
-
-                tile = plgpu.ACC((block_q, block_kv), jnp.float32)
-                s, dp = pl.run_scoped(products, tile, tile)
-                plgpu.barrier_arrive(v_free.at[slot])
-                if masked:
-                    rows_ = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(cols + j * block_kv <= rows_ + (q_start + offset), s, -jnp.inf)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-                ds16 = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
-                turn()
-
-                def dq_(acc_ref):
-                    plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])  # dQ += dS K
-
-                acc = pl.run_state(dq_)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(k_free.at[slot])
-                return acc
-
             def step(j, acc, masked: bool):
-                if t.pingpong:
-                    return step_pingpong(j, acc, masked)
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
 
@@ -364,8 +271,6 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
                 return acc
 
             acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            if t.pingpong:
-                pl.when(wg == 1)(turn)  # the consumers run half a step apart
             acc = loop(0, full, lambda j, c: step(j, c, masked=False), acc)
             acc = loop(full, end, lambda j, c: step(j, c, masked=True), acc)
 
@@ -373,13 +278,9 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
                 slot = lax.rem(j, stages)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                turn()
-                turn()
 
             if t.causal:
                 lax.fori_loop(end, cta_end, drain, None)
-            if t.pingpong:
-                pl.when(wg == 0)(turn)
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -424,7 +325,7 @@ def dq(q, k, v, do, lse2, delta, t: BwdTiling):
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped),
-            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg",
+            smem, ready, free, collective_axes="wg",
         )
 
     grid, names = grid_spec(q_len // (COMPUTE_WGS * block_q), heads, batch, "q_seq", t.tile_major)

@@ -29,7 +29,6 @@ as o = 0, lse = -inf.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,10 @@ COMPUTE_WGS = 2
 
 @dataclasses.dataclass(frozen=True)
 class FwdTiling:
-    """Static shape of one forward call (all lengths padded; seq_q, seq_k are the true ones)."""
+    """Static shape of one kernel call (all lengths padded; seq_q, seq_k are the true ones).
+
+    The backward kernels take it too; `overlap` and `pingpong` (MosaicConfig.fwd_schedule)
+    concern the forward only."""
 
     block_q: int
     block_kv: int
@@ -150,6 +152,17 @@ def forward(q, k, v, t: FwdTiling):
 
         schedule_turn = _turn(schedule, t.pingpong)
 
+        def scores(q_smem, slot):
+            """S = Q K^T for the key tile in `slot`, waited for, with the other consumer's
+            turn on the tensor cores in between."""
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_turn()
+                return s_ref[...]
+
+            return pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+
         def mask_scores(s, j, q_start):
             rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
             cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
@@ -184,13 +197,7 @@ def forward(q, k, v, t: FwdTiling):
             def step(j, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(j, stages)
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    schedule_turn()
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                s = scores(q_smem, slot)
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     s = mask_scores(s, j, q_start)
@@ -237,13 +244,7 @@ def forward(q, k, v, t: FwdTiling):
             together, then runs tile j's softmax while the P V product is still on the
             tensor cores, and only then waits for it to rescale acc."""
             plgpu.barrier_wait(k_ready.at[0])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[0].transpose((1, 0)))
-                schedule_turn()
-                return s_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            s = scores(q_smem, 0)
             plgpu.barrier_arrive(k_free.at[0])
             first_masked = not (isinstance(full_end, int) and full_end >= 1)
             if first_masked:
