@@ -33,6 +33,16 @@ from flashjax.kernels.common import LOG2E
 from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop
 
 
+def _product(a, b, shape):
+    """a @ b (shared-memory operands) into a fresh float32 accumulator, waited for."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
 def _params():
     return plgpu.CompilerParams(approx_math=True)
 
@@ -89,11 +99,7 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
 
-                def st(acc_ref):
-                    plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                s_t = pl.run_scoped(st, plgpu.ACC((block_kv, block_q), jnp.float32))
+                s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
                 if masked:
                     keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
                     rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
@@ -243,11 +249,7 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    return s_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                s = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 if masked:
                     rows_ = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
@@ -255,11 +257,7 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
-                def dp_(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                dp = pl.run_scoped(dp_, plgpu.ACC((block_q, block_kv), jnp.float32))
+                dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
