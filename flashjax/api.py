@@ -202,11 +202,6 @@ def _mosaic_unsupported(q, extras: Extras, window, softcap, dropout_rate) -> lis
     return missing
 
 
-def _mosaic_preferred(q, k) -> bool:
-    """Whether `auto` takes the Hopper kernels for a call they support (set from measurements)."""
-    return MOSAIC_AUTO
-
-
 def _choose_backend(backend: str, q, k, mosaic_unsupported: list[str] = ()) -> str:
     if backend == "xla":
         return "xla"
@@ -224,7 +219,7 @@ def _choose_backend(backend: str, q, k, mosaic_unsupported: list[str] = ()) -> s
             )
         return "mosaic"
     if backend == "triton" or _platform() == "gpu":
-        if backend == "auto" and not mosaic_unsupported and _is_hopper() and _mosaic_preferred(q, k):
+        if backend == "auto" and not mosaic_unsupported and _is_hopper() and MOSAIC_AUTO:
             return "mosaic"
         return "triton"
     batch, seq_q, heads, _ = q.shape
