@@ -197,6 +197,7 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
         grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="flashjax_mosaic_dkv",  # what profilers show
         compiler_params=_params(),
     )(q, k, v, do, lse2, delta)
 
@@ -334,5 +335,6 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
         grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="flashjax_mosaic_dq",  # what profilers show
         compiler_params=_params(),
     )(q, k, v, do, lse2, delta)

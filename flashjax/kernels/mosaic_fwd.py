@@ -393,6 +393,7 @@ def forward(q, k, v, t: FwdTiling):
         grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name="flashjax_mosaic_fwd",  # what profilers show
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v)
     return o, lse2
