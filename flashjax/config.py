@@ -150,6 +150,7 @@ class Config:
 
 # ---- Hopper (Pallas Mosaic GPU) backend ---------------------------------------------------
 FWD_SCHEDULES = ("auto", "pingpong", "overlap", "overlap_pingpong")
+BWD_DQ = ("recompute", "accumulate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,14 @@ class MosaicConfig:
         warpgroups. "overlap_pingpong": both. "auto" (default): "overlap" without a
         causal mask (measured 2-13% faster on the H100 at T >= 4k), "pingpong" with
         one (overlap was no faster there and now and then much slower).
+      bwd_dq: how the backward gets dQ (both deterministic). "recompute": a second
+        kernel walks the key tiles of each query tile and recomputes S and dP (7
+        matrix products per tile pair). "accumulate": the dK/dV kernel also forms
+        dQ = dS K and adds it into a float32 dQ in global memory, in key-tile order
+        enforced by semaphores (FlashAttention-3's deterministic mode; 5 products);
+        head dim 128 only, others fall back to "recompute". "recompute" is the
+        default: "accumulate" measured 15-35% slower on the H100 (its consumers
+        spill registers), see benchmarks/results/mosaic-notes.md.
     """
 
     block_q: int = 64
@@ -191,6 +200,7 @@ class MosaicConfig:
     dq_block_kv: int = 128
     tile_major: bool = False
     fwd_schedule: str = "auto"
+    bwd_dq: str = "recompute"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_kv"):
@@ -199,6 +209,8 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
+        if self.bwd_dq not in BWD_DQ:
+            raise ValueError(f"MosaicConfig.bwd_dq must be one of {BWD_DQ}, got {self.bwd_dq!r}.")
         for name in ("stages", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")

@@ -103,12 +103,48 @@ def test_forward_schedules(make_inputs, reference_fwd, assert_close, assert_lse_
     assert_lse_close(lse, want_lse, BF16)
 
 
+def _with_bwd_dq(head_dim, bwd_dq):
+    from flashjax.config import Config, MosaicConfig
+
+    tiling = dataclasses.replace(MosaicConfig.default(mosaic.padded_head_dim(head_dim)), bwd_dq=bwd_dq)
+    return dataclasses.replace(Config.default(head_dim, BF16), mosaic=tiling)
+
+
+BWD_DQ_SHAPES = [
+    pytest.param((2, 1024, 1024, 4, 2, 128), id="T1024-gqa2"),
+    pytest.param((2, 2047, 2047, 8, 2, 128), id="T2047-gqa4"),
+    pytest.param((1, 700, 200, 4, 4, 128), id="q700>k200"),  # causal: rows without keys
+    pytest.param((1, 130, 1000, 8, 1, 128), id="q130<k1000-mqa"),
+    pytest.param((2, 17, 1, 2, 2, 128), id="q17-k1"),
+    pytest.param((1, 300, 257, 2, 2, 96), id="q300-k257-d96"),  # head dim padded to 128
+    pytest.param((1, 1000, 1000, 2, 2, 64), id="T1000-d64"),  # d64: falls back to recompute
+]
+
+
 @requires_hopper
-def test_deterministic(make_inputs, kernel_vjp):
-    """No atomics: two runs are bitwise equal (output, lse and every gradient)."""
+@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", BWD_DQ_SHAPES)
+def test_backward_dq_modes(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, bwd_dq):
+    """Both MosaicConfig.bwd_dq ways, not only the default one."""
+    x = make_inputs(*shape, dtype=BF16)
+    config = _with_bwd_dq(shape[-1], bwd_dq)
+    got = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
+    assert_result_close(got, want, BF16)
+
+
+@requires_hopper
+@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic(make_inputs, kernel_vjp, causal, bwd_dq):
+    """Two runs are bitwise equal (output, lse and every gradient): dQ is summed in a
+    fixed order, by one warpgroup ("recompute") or in semaphore-enforced key-tile
+    order ("accumulate")."""
     x = make_inputs(2, 2047, 2047, 8, 2, 128, dtype=BF16)
-    first = mosaic_vjp(kernel_vjp, x, causal=True)
-    second = mosaic_vjp(kernel_vjp, x, causal=True)
+    config = _with_bwd_dq(128, bwd_dq)
+    first = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
+    second = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
     for name in first._fields:
         np.testing.assert_array_equal(
             np.asarray(getattr(first, name), np.float32), np.asarray(getattr(second, name), np.float32), err_msg=name

@@ -24,6 +24,7 @@ V, so they add nothing to dQ, and their own dK/dV rows are dropped.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -336,5 +337,246 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name="flashjax_mosaic_dq",  # what profilers show
+        compiler_params=_params(),
+    )(q, k, v, do, lse2, delta)
+
+
+def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
+    """dK, dV [B, Tkp, Hkv, D] in k's dtype and dQ / scale [B, Tqp, H, D] in float32, in one pass.
+
+    The dK/dV kernel's walk (one CTA per pair of `block_kv` key tiles) with
+    FlashAttention-3's dQ: each step also forms dQ_i = dS_i K for the pair's keys
+    and adds it into a float32 dQ in global memory, so S and dP are computed once
+    (5 matrix products per tile pair instead of the 7 of dkv + dq).
+
+    * Both consumers write their dS^T tile to shared memory; after a barrier between
+      them, consumer w computes columns [64 w, 64 w + 64) of dQ_i over the pair's
+      2 * block_kv keys (a 64-row, 64-column accumulator) and leaves it in shared memory.
+    * The producer warpgroup, besides streaming Q, dO, lse and delta, writes those dQ
+      tiles out with TMA: the first key pair stores, the others reduce-add.
+    * Deterministic: the adds into a query tile happen in a fixed key-pair order
+      (ascending; causal: descending from the diagonal). A pair waits on a global
+      semaphore per (batch, head, query tile) until the pairs before it have added
+      theirs, adds, waits for the add to land, then signals. Pairs only wait on
+      pairs the GPU launched before them.
+
+    Measured slower than dkv + dq on the H100 (MosaicConfig.bwd_dq, mosaic-notes.md
+    v5): ptxas spills 200-900 bytes of the consumers' registers (dK, dV and the dQ
+    slice accumulate at once), and the tensor pipe is busy 32-40% of the time
+    against 78-82% for the two recomputing kernels.
+
+    Causal: a query tile that sees none of the pair's keys is never visited, so its
+    contributors are a prefix of the pairs. Rows that see no key at all (Tq > Tk) are
+    visited by nobody; the caller zeroes them.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    group = heads // kv_heads
+    block_q, block_kv = t.block_q, t.block_kv
+    pair = COMPUTE_WGS * block_kv
+    assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
+    assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
+    dq_cols = head_dim // COMPUTE_WGS
+    n_q = q_len // block_q
+    offset = t.seq_k - t.seq_q
+    scale_log2 = t.scale * LOG2E
+
+    def q_range(k_start):
+        """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + block_kv); [full, n_q) see all."""
+        if not t.causal:
+            return 0, 0
+        lo = lax.div(jnp.maximum(k_start - offset, 0), block_q)
+        full = lax.div(jnp.maximum(k_start + block_kv - 1 - offset, 0) + block_q - 1, block_q)
+        return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped):
+        b = lax.axis_index("batch")
+        hk = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        smem, ready, (free, ds_ready, ds_done, dq_ready, dq_free) = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready = ready
+        n_pairs = k_len // pair
+        n = lax.axis_index("kv_seq")
+        if t.causal:
+            n = n_pairs - 1 - n  # launch the pairs nearest the diagonal first (see write_dq)
+        cta_k = n * pair
+        cta_lo, _ = q_range(cta_k)
+        per_head = n_q - cta_lo  # query tiles visited per query head
+        steps = group * per_head
+        stages = t.stages
+
+        def tile_of(s):
+            """(query head, query tile) of step s."""
+            return hk * group + lax.div(s, per_head), cta_lo + lax.rem(s, per_head)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[pl.ds(wg * block_kv, block_kv)], v_smem2.at[pl.ds(wg * block_kv, block_kv)]
+            k_start = cta_k + wg * block_kv
+            _, full = q_range(k_start)
+            at = (b, pl.ds(k_start, block_kv), hk)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
+            for i in range(2 * COMPUTE_WGS):
+                plgpu.barrier_wait(kv_ready.at[i])  # dQ needs the other consumer's K too
+
+            def step(s, i, carry, masked: bool):
+                dk, dv = carry
+                slot, buf = lax.rem(s, stages), lax.rem(s, 2)
+                for ready_ in (q_ready, do_ready, lse_ready, delta_ready):
+                    plgpu.barrier_wait(ready_.at[slot])
+
+                s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+                if masked:
+                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
+                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+
+                def dv_dp(refs):
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
+                    plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+
+                zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+
+                # Both halves of dS^T into shared memory: each consumer's dQ columns need both.
+                @pl.when(s > 0)
+                def _():
+                    plgpu.barrier_wait(ds_done)  # the other consumer's previous dQ product has read it
+                ds_smem[pl.ds(wg * block_kv, block_kv)] = ds_t
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready)
+                plgpu.barrier_wait(ds_ready)
+
+                def dk_dq(refs):
+                    dk_ref, dq_acc_ref = refs
+                    plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])  # dK += dS^T Q
+                    # dQ[:, cols] = dS K[:, cols] over both key tiles of the pair.
+                    plgpu.wgmma(dq_acc_ref, ds_smem.transpose((1, 0)), k_smem2.at[:, pl.ds(wg * dq_cols, dq_cols)])
+
+                dq_zeros = plgpu.layout_cast(jnp.full((block_q, dq_cols), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                dk, dq_part = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(dq_zeros)))
+                plgpu.barrier_arrive(ds_done)
+                plgpu.barrier_arrive(free.at[slot])
+
+                @pl.when(s >= 2)
+                def _():
+                    plgpu.barrier_wait(dq_free.at[buf])  # the producer has written out step s - 2
+                dq_smem[buf, wg] = dq_part
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dq_ready.at[buf])
+                return dk, dv
+
+            def head(g, carry):
+                base = g * per_head - cta_lo  # step of query tile i is base + i
+                carry = loop(cta_lo, full, lambda i, c: step(base + i, i, c, masked=True), carry)
+                return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
+
+            zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = loop(0, group, head, (zero, zero))
+            # The K tiles are read by both consumers' dQ products until the last step.
+            pl.when(steps > 0)(lambda: plgpu.barrier_wait(ds_done))
+            k_smem[...] = (dk * t.scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[at], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[at], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
+
+            def load(s):
+                slot = lax.rem(s, stages)
+                h, i = tile_of(s)
+                rows = pl.ds(i * block_q, block_q)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
+
+            def write_dq(s):
+                buf = lax.rem(s, 2)
+                h, i = tile_of(s)
+                plgpu.barrier_wait(dq_ready.at[buf])
+                turn = order.at[b, h, i]
+                if t.causal:
+                    # Tile i's contributors are the pairs [0, last]. The pair that starts at
+                    # tile i (nearest the diagonal) reaches it first, so they add from last
+                    # down: each waits on a pair launched before it that is already ahead.
+                    last = jnp.minimum(lax.div((i + 1) * block_q - 1 + offset, pair), n_pairs - 1)
+                    place = last - n
+                else:
+                    place = n
+                plgpu.semaphore_wait(turn, place, decrement=False, memory_scope="gpu")
+                first = place == 0
+                for w in range(COMPUTE_WGS):
+                    dst = dq_ref.at[b, pl.ds(i * block_q, block_q), h, pl.ds(w * dq_cols, dq_cols)]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[buf, w], dst, predicate=first, commit_group=False)
+                    plgpu.copy_smem_to_gmem(dq_smem.at[buf, w], dst, predicate=~first, commit_group=False, reduction_op="add")
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0)  # landed in global memory: the next pair may add
+                plgpu.semaphore_signal(turn, 1, memory_scope="gpu")
+                plgpu.barrier_arrive(dq_free.at[buf])
+
+            for i in range(stages):
+                pl.when(i < steps)(lambda i=i: load(jnp.int32(i)))
+
+            @pl.loop(0, steps)
+            def _(s):
+                @pl.when(s + stages < steps)
+                def _():
+                    plgpu.barrier_wait(free.at[lax.rem(s, stages)])
+                    load(s + stages)
+
+                write_dq(s)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref):
+        tiles = _smem_tiles()
+        st = t.stages
+        smem = (
+            plgpu.SMEM((pair, head_dim), dtype, transforms=tiles),  # K in, dK out
+            plgpu.SMEM((pair, head_dim), dtype, transforms=tiles),  # V in, dV out
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((pair, block_q), dtype, transforms=tiles),  # dS^T of both consumers
+            plgpu.SMEM((2, COMPUTE_WGS, block_q, dq_cols), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        )
+        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=st),) * 4
+        sync = (
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),  # free: Q/dO slot consumed
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # ds_ready: both dS^T halves written
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # ds_done: both dQ products have read them
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),  # dq_ready
+            plgpu.Barrier(num_barriers=2),  # dq_free
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped),
+            smem, ready, sync, collective_axes="wg",
+        )
+
+    grid, names = grid_spec(k_len // pair, kv_heads, batch, "kv_seq", t.tile_major)
+    return plgpu.kernel(
+        entry,
+        out_type=(k, v, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
+        grid=grid,
+        grid_names=names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        kernel_name="flashjax_mosaic_dkv_dq",  # what profilers show
         compiler_params=_params(),
     )(q, k, v, do, lse2, delta)

@@ -1,0 +1,180 @@
+"""Nsight Compute profile of one forward+backward step, flashjax's Hopper kernels beside cuDNN.
+
+On the device (ncu is there; --clock-control none leaves the GPU's clocks alone):
+
+    ncu --clock-control none --profile-from-start off --csv --page raw \\
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
+        --section LaunchStats --section Occupancy --log-file raw.csv \\
+        python benchmarks/profile.py run --cells 8192:no,16384:yes
+
+Then, anywhere:
+
+    python benchmarks/profile.py summarize raw.csv
+
+`run` compiles and warms each (cell, implementation) first, then profiles exactly one
+jitted forward+backward call per window (cuProfilerStart/Stop around it), in the
+order it prints; a one-thread marker kernel opens each window so `summarize` can
+tell the windows apart. Shapes follow BRIEF.md: bf16, D=128, H=16, 16384 tokens.
+`summarize` prints, per window, each kernel's time, the FLOPs its matrix products
+perform (not the credited count: the recomputing backward does more) and the
+counters that say what bounds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+MARKER = "flashjax_window_marker"
+TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
+
+# Matrix products each kernel performs, in units of 2*B*H*Tq*Tk*D (one Tq x Tk x D product),
+# before halving for causal. Forward: S, PV. dK/dV: S^T, dP^T, dV, dK. dQ: S, dP, dQ.
+# dK/dV/dQ in one kernel (MosaicConfig.bwd_dq="accumulate"): S^T, dP^T, dV, dK, dQ.
+PRODUCTS = {"flashjax_mosaic_fwd": 2, "flashjax_mosaic_dkv_dq": 5, "flashjax_mosaic_dkv": 4, "flashjax_mosaic_dq": 3}
+
+
+def parse_cells(text):
+    cells = []
+    for item in text.split(","):
+        seq, causal = item.split(":")
+        cells.append((int(seq), causal == "yes"))
+    return cells
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import flashjax
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    marker = None
+    try:
+        import cupy
+
+        marker = cupy.RawKernel(f'extern "C" __global__ void {MARKER}(int x) {{}}', MARKER)
+    except Exception as e:  # noqa: BLE001 - profile without markers rather than not at all
+        print(f"no window markers ({type(e).__name__}: {e}); windows follow the order below", flush=True)
+
+    windows = []
+    for seq, causal in parse_cells(args.cells):
+        batch = max(1, TOKENS // seq)
+        keys = jax.random.split(jax.random.PRNGKey(seq), 4)
+        q, k, v, do = (jax.random.normal(key, (batch, seq, HEADS, HEAD_DIM), jnp.bfloat16) for key in keys)
+        for impl in args.impls.split(","):
+            if impl == "cudnn":
+                attend = lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
+            else:
+                # "mosaic:bwd_dq=accumulate": MosaicConfig fields after the colon.
+                backend, _, fields = impl.partition(":")
+                config = None
+                if fields:
+                    from flashjax.config import Config, MosaicConfig
+
+                    kw = dict(kv.split("=") for kv in fields.split(","))
+                    kw = {key: int(val) if val.isdigit() else val for key, val in kw.items()}
+                    mosaic = dataclasses.replace(MosaicConfig.default(HEAD_DIM), **kw)
+                    config = dataclasses.replace(Config.default(HEAD_DIM, jnp.bfloat16), mosaic=mosaic)
+                attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)
+            loss = lambda q, k, v, do, f=attend: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            for _ in range(3):
+                jax.block_until_ready(step(q, k, v, do))
+            if marker is not None:
+                marker((1,), (1,), (0,))
+                cupy.cuda.runtime.deviceSynchronize()
+            cuda.cuProfilerStart()
+            if marker is not None:
+                marker((1,), (1,), (len(windows),))
+            jax.block_until_ready(step(q, k, v, do))
+            cuda.cuProfilerStop()
+            windows.append({"seq": seq, "causal": causal, "impl": impl, "batch": batch})
+            print("window", len(windows) - 1, json.dumps(windows[-1]), flush=True)
+    if args.windows:
+        Path(args.windows).write_text(json.dumps(windows))
+
+
+def read_raw(path):
+    """Rows of ncu's `--csv --page raw` log (a header row, a units row, one row per kernel)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.startswith('"')]
+    rows = list(csv.reader(lines))
+    header, units, body = rows[0], rows[1], rows[2:]
+    return [dict(zip(header, r)) for r in body], dict(zip(header, units))
+
+
+def number(text):
+    try:
+        return float(text.replace(",", ""))
+    except (AttributeError, ValueError):
+        return float("nan")
+
+
+def summarize(args):
+    rows, units = read_raw(args.raw)
+    windows = json.loads(Path(args.windows).read_text()) if args.windows else None
+    groups, current = [], None
+    for row in rows:
+        if MARKER in row["Kernel Name"]:
+            current = []
+            groups.append(current)
+        elif current is not None:
+            current.append(row)
+    if not groups:  # no markers: one group
+        groups = [rows]
+    to_ns = {"ns": 1.0, "nsecond": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9, "second": 1e9}[units.get("gpu__time_duration.sum", "nsecond")]
+    stall_cols = [c for c in rows[0] if c.startswith("smsp__average_warps_issue_stalled_") and c.endswith("_per_issue_active.ratio")]
+    for i, group in enumerate(groups):
+        w = windows[i] if windows and i < len(windows) else {}
+        title = f"T={w.get('seq')} {'causal' if w.get('causal') else 'full'} {w.get('impl')}" if w else f"window {i}"
+        total = sum(number(r["gpu__time_duration.sum"]) for r in group) * to_ns
+        print(f"\n## {title}: {len(group)} kernels, {total / 1e6:.3f} ms")
+        for r in sorted(group, key=lambda r: -number(r["gpu__time_duration.sum"])):
+            ns = number(r["gpu__time_duration.sum"]) * to_ns
+            name = r["Kernel Name"]
+            line = f"- {name[:60]:60s} {ns / 1e6:8.3f} ms"
+            short = next((k for k in PRODUCTS if k in name), None)
+            if short and w:
+                work = PRODUCTS[short] * 2 * w["batch"] * HEADS * w["seq"] ** 2 * HEAD_DIM * (0.5 if w["causal"] else 1)
+                line += f"  performed {work / ns / 1e3:6.1f} TFLOP/s"
+            if ns < 0.02 * total:
+                print(line)
+                continue
+            stalls = sorted(((number(r[c]), c) for c in stall_cols), reverse=True)[:4]
+            detail = {
+                "tensor_pipe%": r.get("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"),
+                "sm%": r.get("sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+                "dram%": r.get("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
+                "regs": r.get("launch__registers_per_thread"),
+                "grid": r.get("launch__grid_size"),
+                "smem/blk": r.get("launch__shared_mem_per_block"),
+                "warps_active%": r.get("sm__warps_active.avg.pct_of_peak_sustained_active"),
+            }
+            print(line)
+            print("    " + ", ".join(f"{k}={v}" for k, v in detail.items() if v not in (None, "")))
+            print("    top stalls (cycles per issue): " + ", ".join(
+                f"{c.removeprefix('smsp__average_warps_issue_stalled_').removesuffix('_per_issue_active.ratio')}={v:.2f}" for v, c in stalls))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="the profiled program (start it under ncu)")
+    r.add_argument("--cells", default="8192:no,16384:yes", help="SEQ:yes|no causal, comma-separated")
+    r.add_argument("--impls", default="mosaic,cudnn", help="flashjax backends (mosaic:FIELD=VALUE,... sets MosaicConfig fields) and/or cudnn")
+    r.add_argument("--windows", default="", help="write the window list (JSON) here")
+    s = sub.add_parser("summarize", help="read ncu's raw CSV log")
+    s.add_argument("raw")
+    s.add_argument("--windows", default="", help="the JSON `run --windows` wrote")
+    args = p.parse_args(argv)
+    run(args) if args.command == "run" else summarize(args)
+
+
+if __name__ == "__main__":
+    main()
