@@ -187,7 +187,7 @@ class MosaicConfig:
         dQ = dS K and adds it into a float32 dQ in global memory, in key-tile order
         enforced by semaphores (FlashAttention-3's deterministic mode; 5 products);
         head dim 128 only, others fall back to "recompute". "recompute" is the
-        default: "accumulate" measured 15-35% slower on the H100 (its consumers
+        default: "accumulate" measured 15-30% slower on the H100 (its consumers
         spill registers), see benchmarks/results/mosaic-notes.md.
     """
 
