@@ -1,10 +1,11 @@
-"""The kernels lower to Triton for an H100 (sm_90) without a GPU, and hold no [Tq, Tk] tensor.
+"""The kernels lower for an H100 (sm_90) without a GPU, and hold no [Tq, Tk] tensor.
 
 Lowering for the "cuda" platform needs no device, except that the Pallas Triton
 lowering asks the local GPU for its compute capability; we stand a fake in for
 that query. Nothing is compiled, so each case takes a fraction of a second. This
 checks the real (non-interpret) kernel lowering on any machine: Pallas accepts the
-kernels' block shapes, index maps and loop structure for Triton.
+kernels' block shapes, index maps and loop structure for Triton, and the Hopper
+kernels go through Pallas' Mosaic GPU lowering (which needs no device at all).
 
 The lowered module is also the static half of the memory evidence: with the
 distinctive lengths Tq = 1000 and Tk = 1200, no tensor outside the kernels has
@@ -116,3 +117,46 @@ def test_score_check_finds_xla_scores():
     assert (1, 2, SEQ_Q, SEQ_K) in shapes
     assert score_sized(shapes, {SEQ_Q}, {SEQ_K})
     assert score_sized([(SEQ_Q * SEQ_K * 2,)], {SEQ_Q}, {SEQ_K}), "flattened scores are caught too"
+
+
+MOSAIC_CALL = "custom_call @mosaic_gpu_v2"
+MOSAIC_CASES = [
+    # (heads, kv_heads, head_dim, causal, MosaicConfig overrides, kernels expected)
+    pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-gqa2"),
+    pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap_pingpong"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
+    pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
+    pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
+    pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,causal,overrides,kernels", MOSAIC_CASES)
+def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overrides, kernels):
+    """The Hopper kernels go through Pallas' Mosaic GPU lowering (layouts, wgmma operand
+    shapes, barriers, semaphores) without a GPU; what only ptxas or the device checks
+    (register allocation, running) is left to tests/test_mosaic.py on the device."""
+    import dataclasses
+
+    from flashjax.config import MosaicConfig
+    from flashjax.kernels import mosaic
+
+    dtype = jnp.bfloat16
+    tiling = dataclasses.replace(MosaicConfig.default(mosaic.padded_head_dim(head_dim), device_kind=""), **overrides)
+    config = dataclasses.replace(Config.default(head_dim, dtype), mosaic=tiling)
+    params = AttentionParams(scale=head_dim**-0.5, causal=causal, config=config, backend="mosaic", interpret=False)
+    q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
+
+    def loss(q, k, v):
+        o, lse = autodiff.attention(q, k, v, Extras(), params)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    text = lower_for_cuda(loss, q, kv, kv)
+    assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
+    names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
+    assert names == set(kernels), names
+    # The glue pads both lengths to whole tiles (at most 256 rows); padded lengths count too.
+    q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
+    k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
+    shapes = tensor_shapes(text)
+    assert shapes and not score_sized(shapes, q_lens, k_lens), score_sized(shapes, q_lens, k_lens)
