@@ -40,6 +40,16 @@ def fake_h100(monkeypatch):
     monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake)
 
 
+def lower_attention_for_cuda(params, q, kv) -> str:
+    """StableHLO of jit(grad) of a loss on flashjax's o and lse, lowered for CUDA."""
+
+    def loss(q, k, v):
+        o, lse = autodiff.attention(q, k, v, Extras(), params)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    return lower_for_cuda(loss, q, kv, kv)
+
+
 def lower_for_cuda(loss, q, k, v) -> str:
     """StableHLO text of jit(grad(loss)) lowered for the CUDA platform."""
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -90,12 +100,7 @@ def test_lowers_to_triton_for_sm90(fake_h100, heads, kv_heads, head_dim, causal,
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
-
-    def loss(q, k, v):
-        o, lse = autodiff.attention(q, k, v, Extras(), params)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
-
-    text = lower_for_cuda(loss, q, kv, kv)
+    text = lower_attention_for_cuda(params, q, kv)
     # The forward, the dK/dV and the dQ kernels; nothing falls back to XLA attention.
     assert text.count(TRITON_CALL) == 3, f"expected 3 Triton kernels, found {text.count(TRITON_CALL)}"
     # Padded lengths count too: the kernels see Tq, Tk rounded up to whole tiles.
@@ -146,12 +151,7 @@ def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overri
     params = AttentionParams(scale=head_dim**-0.5, causal=causal, config=config, backend="mosaic", interpret=False)
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
-
-    def loss(q, k, v):
-        o, lse = autodiff.attention(q, k, v, Extras(), params)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
-
-    text = lower_for_cuda(loss, q, kv, kv)
+    text = lower_attention_for_cuda(params, q, kv)
     assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
     names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
     assert names == set(kernels), names

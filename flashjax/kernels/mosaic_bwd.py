@@ -24,6 +24,8 @@ V, so they add nothing to dQ, and their own dK/dV rows are dropped.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -48,6 +50,69 @@ def _params():
     return plgpu.CompilerParams(approx_math=True)
 
 
+def _causal_q_range(k_start, *, n_q: int, t: FwdTiling):
+    """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + t.block_kv),
+    and [full, n_q) see all of them (bottom-right causal; (0, 0) without a mask)."""
+    if not t.causal:
+        return 0, 0
+    offset = t.seq_k - t.seq_q
+    lo = lax.div(jnp.maximum(k_start - offset, 0), t.block_q)
+    full = lax.div(jnp.maximum(k_start + t.block_kv - 1 - offset, 0) + t.block_q - 1, t.block_q)
+    return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+
+
+def _store_dk_dv(dk, dv, k_smem, v_smem, dk_dst, dv_dst, scale: float):
+    """Writes a key tile's dK and dV out through its K and V shared-memory tiles. The
+    softmax scale of S = scale * Q K^T enters dK once here; dV needs none."""
+    dtype = k_smem.dtype
+    k_smem[...] = (dk * scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_dst, commit_group=False)
+    plgpu.copy_smem_to_gmem(v_smem, dv_dst, commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
+    """TMA of one query tile's Q, dO, lse and delta (gmem refs in that order) into ring `slot`."""
+    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem) = gmem, smem
+    q_ready, do_ready, lse_ready, delta_ready = ready
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
+
+
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: FwdTiling):
+    """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
+    diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
+
+    smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
+    query tile i. Returns dv and dS^T, float32 [block_kv, block_q]."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+    dtype = q_smem.dtype
+    s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+    if masked:
+        keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
+        rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
+        s_t = jnp.where(keys + (k_start - (t.seq_k - t.seq_q)) <= rows + i * block_q, s_t, -jnp.inf)
+    lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    p_t = jnp.exp2(s_t * (t.scale * LOG2E) - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+
+    def dv_dp(refs):
+        # One block for both products: a single wgmma wait.
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
+        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+
+    zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    return dv, p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+
+
 def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
     batch, q_len, heads, head_dim = q.shape
@@ -57,16 +122,8 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
-    offset = t.seq_k - t.seq_q
-    scale_log2 = t.scale * LOG2E
 
-    def q_range(k_start):
-        """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + block_kv); [full, n_q) see all."""
-        if not t.causal:
-            return 0, 0
-        lo = lax.div(jnp.maximum(k_start - offset, 0), block_q)
-        full = lax.div(jnp.maximum(k_start + block_kv - 1 - offset, 0) + block_q - 1, block_q)
-        return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+    q_range = functools.partial(_causal_q_range, n_q=n_q, t=t)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("batch")
@@ -100,24 +157,8 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
 
-                s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-                if masked:
-                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
-                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-
-                def dv_dp(refs):
-                    # One block for both products: a single wgmma wait.
-                    dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
-                    plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
-
-                zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+                smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -142,14 +183,7 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
 
             zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = loop(0, group, head, (zero, zero))
-            # The scale of S = scale * Q K^T enters dK once; dV needs none.
-            k_smem[...] = (dk * t.scale).astype(dtype)
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[at], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[at], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
@@ -159,10 +193,10 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
                 slot = lax.rem(s, stages)
                 h = hk * group + lax.div(s, per_head)
                 rows = pl.ds((cta_lo + lax.rem(s, per_head)) * block_q, block_q)
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
+                _load_query_tile(
+                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+                    (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
+                )
 
             for i in range(stages):
                 pl.when(i < steps)(lambda i=i: load(jnp.int32(i)))
@@ -380,15 +414,8 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
     dq_cols = head_dim // COMPUTE_WGS
     n_q = q_len // block_q
     offset = t.seq_k - t.seq_q
-    scale_log2 = t.scale * LOG2E
 
-    def q_range(k_start):
-        """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + block_kv); [full, n_q) see all."""
-        if not t.causal:
-            return 0, 0
-        lo = lax.div(jnp.maximum(k_start - offset, 0), block_q)
-        full = lax.div(jnp.maximum(k_start + block_kv - 1 - offset, 0) + block_q - 1, block_q)
-        return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+    q_range = functools.partial(_causal_q_range, n_q=n_q, t=t)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
@@ -429,23 +456,9 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 for ready_ in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready_.at[slot])
 
-                s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-                if masked:
-                    keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
-                    s_t = jnp.where(keys + (k_start - offset) <= rows + i * block_q, s_t, -jnp.inf)
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                p_t = jnp.exp2(s_t * scale_log2 - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-
-                def dv_dp(refs):
-                    dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
-                    plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
-
-                zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+                smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t)
+                ds_t = ds_t.astype(dtype)
 
                 # Both halves of dS^T into shared memory: each consumer's dQ columns need both.
                 @pl.when(s > 0)
@@ -484,13 +497,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
             dk, dv = loop(0, group, head, (zero, zero))
             # The K tiles are read by both consumers' dQ products until the last step.
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(ds_done))
-            k_smem[...] = (dk * t.scale).astype(dtype)
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[at], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[at], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
@@ -501,10 +508,10 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 slot = lax.rem(s, stages)
                 h, i = tile_of(s)
                 rows = pl.ds(i * block_q, block_q)
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_ready.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
+                _load_query_tile(
+                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+                    (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
+                )
 
             def write_dq(s):
                 buf = lax.rem(s, 2)
