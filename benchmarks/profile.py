@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import ctypes
 import json
 import sys
@@ -52,7 +51,9 @@ def run(args):
     import jax.numpy as jnp
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import flashjax
+    from mosaic_quick import config_with
 
     cuda = ctypes.CDLL("libcuda.so.1")
     marker = None
@@ -74,14 +75,7 @@ def run(args):
             else:
                 # "mosaic:bwd_dq=accumulate": MosaicConfig fields after the colon.
                 backend, _, fields = impl.partition(":")
-                config = None
-                if fields:
-                    from flashjax.config import Config, MosaicConfig
-
-                    kw = dict(kv.split("=") for kv in fields.split(","))
-                    kw = {key: int(val) if val.isdigit() else val for key, val in kw.items()}
-                    mosaic = dataclasses.replace(MosaicConfig.default(HEAD_DIM), **kw)
-                    config = dataclasses.replace(Config.default(HEAD_DIM, jnp.bfloat16), mosaic=mosaic)
+                config = config_with(fields, HEAD_DIM)
                 attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)
             loss = lambda q, k, v, do, f=attend: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
             step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

@@ -83,13 +83,17 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
 
         return triton.backward(q, k, v, o, lse, do, dlse, extras, params)
     config = config_for(params, head_dim)
-    if config.bwd_dq == "accumulate" and dim == 128:
-        return _backward_accumulating(q, k, v, o, lse, do, dlse, params, config)
+    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer).
+    accumulate = config.bwd_dq == "accumulate" and dim == 128
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
-    dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
-    # The dQ kernel takes query tiles in pairs and the dK/dV kernel key tiles in pairs.
-    q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * block_q)
-    k_len = common.round_up(seq_k, math.lcm(mosaic_fwd.COMPUTE_WGS * block_kv, dq_block_kv))
+    pair = mosaic_fwd.COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
+    if accumulate:
+        q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, pair)
+    else:
+        dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
+        # The dQ kernel takes query tiles in pairs.
+        q_len = common.round_up(seq_q, mosaic_fwd.COMPUTE_WGS * block_q)
+        k_len = common.round_up(seq_k, math.lcm(pair, dq_block_kv))
     lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
@@ -98,29 +102,17 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
         block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
         seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
     )
-    dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
-    dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
-    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None
-
-
-def _backward_accumulating(q, k, v, o, lse, do, dlse, params: AttentionParams, config: MosaicConfig):
-    """MosaicConfig.bwd_dq == "accumulate": one kernel for dK, dV and a float32 dQ."""
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
-    q_len = common.round_up(seq_q, block_q)
-    k_len = common.round_up(seq_k, mosaic_fwd.COMPUTE_WGS * block_kv)
-    lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
-    pad = common.pad_tokens
-    t = mosaic_fwd.FwdTiling(
-        block_q=block_q, block_kv=block_kv, stages=config.bwd_stages,
-        seq_q=seq_q, seq_k=seq_k, causal=params.causal, scale=params.scale, tile_major=config.tile_major,
-    )
-    dk, dv, dq = mosaic_bwd.dkv_dq(pad(q, q_len, 128), pad(k, k_len, 128), pad(v, k_len, 128),
-                                   pad(do.astype(q.dtype), q_len, 128), lse2, delta, t)
-    dq = dq[:, :seq_q, :, :head_dim]
-    if params.causal and seq_q > seq_k:
-        # Rows that see no key (bottom-right alignment) are visited by no key tile:
-        # their dQ was never written.
-        sees_a_key = jnp.arange(seq_q) + (seq_k - seq_q) >= 0
-        dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
-    return (dq * params.scale).astype(q.dtype), dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None
+    if accumulate:
+        dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
+        dq = dq[:, :seq_q, :, :head_dim]
+        if params.causal and seq_q > seq_k:
+            # Rows that see no key (bottom-right alignment) are visited by no key tile:
+            # their dQ was never written.
+            sees_a_key = jnp.arange(seq_q) + (seq_k - seq_q) >= 0
+            dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
+        dq = (dq * params.scale).astype(q.dtype)
+    else:
+        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
+        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
+        dq = dq[:, :seq_q, :, :head_dim]
+    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None

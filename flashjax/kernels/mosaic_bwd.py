@@ -33,7 +33,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
-from flashjax.kernels.mosaic_fwd import COMPUTE_WGS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop
+from flashjax.kernels.mosaic_fwd import (
+    COMPUTE_WGS, CONSUMER_REGISTERS, PRODUCER_REGISTERS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop,
+)
 
 
 def _product(a, b, shape):
@@ -138,7 +140,7 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k_start = cta_k + wg * block_kv
             lo, full = q_range(k_start)
@@ -187,7 +189,7 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def load(s):
                 slot = lax.rem(s, stages)
@@ -265,7 +267,7 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q_start = cta_q + wg * block_q
             end, full = kv_range(q_start, block_q)
@@ -322,7 +324,7 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             kv_h = lax.div(h, group)
 
             def load(j):
@@ -440,7 +442,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             k_smem, v_smem = k_smem2.at[pl.ds(wg * block_kv, block_kv)], v_smem2.at[pl.ds(wg * block_kv, block_kv)]
             k_start = cta_k + wg * block_kv
             _, full = q_range(k_start)
@@ -501,7 +503,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
 
             def load(s):

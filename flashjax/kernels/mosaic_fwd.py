@@ -40,6 +40,10 @@ from flashjax.kernels.common import LOG2E
 
 # Consumer warpgroups per CTA (each owns one block_q query tile).
 COMPUTE_WGS = 2
+# Registers per thread after `set_max_registers`: the producer, which only issues TMA,
+# gives its share to the two consumers (2 * 232 + 40 warpgroup-threads' worth fits
+# the 64K-register file).
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +304,7 @@ def forward(q, k, v, t: FwdTiling):
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_start = cta_q + wg * block_q
             end, full_end = kv_range(q_start, block_q)
@@ -345,7 +349,7 @@ def forward(q, k, v, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             kv_h = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
 
             def load(j, slot):
