@@ -1,19 +1,22 @@
 """flashjax: exact, IO-aware attention for JAX, written as Pallas GPU kernels.
 
-`flash_attention` is the function; `Config` / `KernelConfig` / `MosaicConfig` tune its kernels;
+`flash_attention` is the function and `explain` says which backend it runs a call on;
+`TritonConfig` (of `KernelConfig`s) and `MosaicConfig` tune the kernels;
 `sharded_flash_attention` and `ring_attention` run it over a device mesh (batch/head
 parallelism, and context parallelism around a ring). Flax users: `flashjax.flax`.
 """
 
-from flashjax.api import flash_attention
-from flashjax.config import Config, KernelConfig, MosaicConfig
+from flashjax.api import explain, flash_attention
+from flashjax.kernels.mosaic.config import MosaicConfig
+from flashjax.kernels.triton.config import KernelConfig, TritonConfig
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
 from flashjax.sharding import sharded_flash_attention
 
 __version__ = "0.1.0"
 __all__ = [
     "flash_attention",
-    "Config",
+    "explain",
+    "TritonConfig",
     "KernelConfig",
     "MosaicConfig",
     "sharded_flash_attention",

@@ -58,9 +58,9 @@ def tile_keep(base, rows, cols, threshold: int):
     return (bits >> 8) >= jnp.uint32(threshold)
 
 
-def keep_mask(rng, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False):
-    """The full keep mask [B, H, Tq, Tk] (or [1, 1, Tq, Tk] with `broadcast`): reference use only."""
-    seed = seed_words(rng)
+def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False):
+    """The full keep mask [B, H, Tq, Tk] (or [1, 1, Tq, Tk] with `broadcast`) for the
+    uint32 [2] `seed_words`: reference use only."""
     nb, nh = (1, 1) if broadcast else (batch, heads)
     batch_head = jnp.arange(nb * nh, dtype=jnp.uint32).reshape(nb, nh, 1, 1)
     base = stream_base(seed[0], seed[1], batch_head)

@@ -88,9 +88,9 @@ class MaskSpec:
         return mask
 
     # ---- block ranges --------------------------------------------------------------
-    def kv_range(self, q_block, block_q: int, block_k: int, num_k_blocks: int, kv_length=None) -> BlockRange:
+    def kv_range(self, q_block, block_q: int, block_k: int, num_k_blocks: int) -> BlockRange:
         """Key tiles met by query tile `q_block` (forward and dQ kernels)."""
-        length = self.seq_k if kv_length is None else kv_length
+        length = self.seq_k
         first_row = q_block * block_q + self.offset
         last_row = first_row + block_q - 1
         hi = _cdiv_nonneg(jnp.minimum(length, num_k_blocks * block_k), block_k)
@@ -105,9 +105,9 @@ class MaskSpec:
             full_lo = _cdiv_nonneg(jnp.maximum(last_row - self.left, 0), block_k)
         return _ordered(lo, full_lo, full_hi, hi)
 
-    def q_range(self, k_block, block_q: int, block_k: int, num_q_blocks: int, kv_length=None) -> BlockRange:
+    def q_range(self, k_block, block_q: int, block_k: int, num_q_blocks: int) -> BlockRange:
         """Query tiles met by key tile `k_block` (dK/dV kernel)."""
-        length = self.seq_k if kv_length is None else kv_length
+        length = self.seq_k
         first_col = k_block * block_k - self.offset
         last_col = first_col + block_k - 1
         lo = jnp.int32(0)
@@ -138,7 +138,12 @@ def _ordered(lo, full_lo, full_hi, hi) -> BlockRange:
 
 
 # ---- data-dependent ranges (lengths, segments), computed once per call in XLA ----------
-RANGE_FIELDS = 8  # lo, full_lo, full_hi, hi, q_length, kv_length, unused, unused
+# The fields of a row of `dynamic_ranges`, by index: the tile range as in BlockRange,
+# then the batch row's q and kv lengths.
+LO, FULL_LO, FULL_HI, HI, Q_LENGTH, KV_LENGTH = range(6)
+# A row is padded to 8 int32: the Triton kernels read it as one block, and Triton
+# block shapes are powers of two.
+RANGE_FIELDS = 8
 
 
 def _block_extent(ids, block: int):
@@ -181,7 +186,8 @@ def dynamic_ranges(
     so a row of four documents costs about a quarter of the full row. Segment ids
     need not be sorted: the range is then the hull of the tiles that may match.
 
-    Also carries each row's q and kv lengths for the kernels' elementwise masks.
+    Also carries each row's q and kv lengths (fields Q_LENGTH, KV_LENGTH) for the
+    kernels' elementwise masks.
     Segment ids must already be padded to `padded_q` / `padded_k` (by repeating the
     last id, which keeps the extents tight).
     """
@@ -221,16 +227,16 @@ def dynamic_ranges(
     n_blocks = lo.shape[-1]
     lengths = jnp.broadcast_to(jnp.stack([q_len, kv_len], -1)[:, None, :], (batch, n_blocks, 2))
     fields = [lo, full_lo, full_hi, hi]
-    out = jnp.concatenate([jnp.stack(fields, -1).astype(jnp.int32), lengths, jnp.zeros((batch, n_blocks, 2), jnp.int32)], -1)
-    return out
+    padding = jnp.zeros((batch, n_blocks, RANGE_FIELDS - KV_LENGTH - 1), jnp.int32)
+    return jnp.concatenate([jnp.stack(fields, -1).astype(jnp.int32), lengths, padding], -1)
 
 
 def intersect(structural: BlockRange, ranges_ref) -> BlockRange:
     """Intersects a structural range with a row of `dynamic_ranges` (a ref of RANGE_FIELDS)."""
     lo, full_lo, full_hi, hi = structural
     return _ordered(
-        jnp.maximum(lo, ranges_ref[0]),
-        jnp.maximum(full_lo, ranges_ref[1]),
-        jnp.minimum(full_hi, ranges_ref[2]),
-        jnp.minimum(hi, ranges_ref[3]),
+        jnp.maximum(lo, ranges_ref[LO]),
+        jnp.maximum(full_lo, ranges_ref[FULL_LO]),
+        jnp.minimum(full_hi, ranges_ref[FULL_HI]),
+        jnp.minimum(hi, ranges_ref[HI]),
     )

@@ -1,36 +1,91 @@
-"""What one attention call carries besides q, k, v: static parameters and optional arrays."""
+"""What one attention call carries besides q, k, v: its description, static parameters and optional arrays."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, NamedTuple
 
-from flashjax.config import Config
+import numpy as np
+
 from flashjax.masks import MaskSpec
 
 Array = Any
 
 
 class Extras(NamedTuple):
-    """Optional per-call arrays, normalised by the API (absent ones are None).
+    """Optional per-call arrays (absent ones are None).
+
+    The API fills the user-facing fields; a kernel backend's glue pads them to its tiles
+    and may fold lengths and segment ids into `ranges`.
 
     Attributes:
-      bias: float [Bb, Hb, Tqb, Tkb], each dim 1 (broadcast) or full; differentiable.
-      mask: bool, same convention as `bias`; True = attend.
+      ranges: int32 [B, n_blocks, masks.RANGE_FIELDS] from `masks.dynamic_ranges` (kernel side only).
       q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32 [B, Tk].
-      q_lengths, kv_lengths: int32 [B]; positions at or past them are padding.
+      mask: bool [Bm, Hm, Tqm, Tkm], each dim 1 (broadcast) or full; True = attend.
+      bias: float, same convention as `mask`; differentiable.
       alibi_slopes: float32 [H]; adds -slope * |i + Tk - Tq - j| to the logits.
       dropout_seed: uint32 [2], from the dropout rng.
+      q_lengths, kv_lengths: int32 [B]; positions at or past them are padding.
     """
 
-    bias: Array = None
-    mask: Array = None
+    ranges: Array = None
     q_segment_ids: Array = None
     kv_segment_ids: Array = None
-    q_lengths: Array = None
-    kv_lengths: Array = None
+    mask: Array = None
+    bias: Array = None
     alibi_slopes: Array = None
     dropout_seed: Array = None
+    q_lengths: Array = None
+    kv_lengths: Array = None
+
+
+# The names of the optional arrays a call may use, as `Call.arrays` lists them.
+ARRAY_OPTIONS = ("bias", "mask", "segment_ids", "q_lengths", "kv_lengths", "alibi_slopes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a backend needs to know to say whether it can run a call (hashable).
+
+    Attributes:
+      batch, seq_q, seq_k, heads, kv_heads, head_dim: the problem's shape.
+      dtype: of q, k, v.
+      causal, window, softcap, dropout_rate: the static options.
+      arrays: names of the optional arrays given (a subset of ARRAY_OPTIONS).
+      platform: JAX's default backend ("gpu", "cpu", ...).
+      compute_capability: of the first GPU ("9.0" on Hopper), "" elsewhere.
+    """
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    dropout_rate: float = 0.0
+    arrays: frozenset[str] = frozenset()
+    platform: str = "cpu"
+    compute_capability: str = ""
+
+    @property
+    def scores(self) -> int:
+        """Entries of the [B, H, Tq, Tk] score tensor (what the reference materialises)."""
+        return self.batch * self.heads * self.seq_q * self.seq_k
+
+    def options(self) -> list[str]:
+        """The names of every option the call uses besides causal, in a fixed order."""
+        used = [name for name in ARRAY_OPTIONS if name in self.arrays]
+        if self.window is not None:
+            used.append("window")
+        if self.softcap is not None:
+            used.append("softcap")
+        if self.dropout_rate > 0.0:
+            used.append("dropout")
+        return used
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +99,8 @@ class AttentionParams:
       softcap: if set, logits = softcap * tanh(logits / softcap) (before the bias).
       dropout_rate: probability of dropping an attention weight.
       broadcast_dropout: one dropout mask for all batch rows and heads (Flax's default).
-      config: the kernels' tiling.
-      backend: name of the kernel backend ("triton").
+      backend: the registered backend that runs the forward, and `config` its config.
+      backward_backend: the one that runs the backward, and `backward_config` its config.
       interpret: run the Pallas kernels in interpret mode (CPU).
     """
 
@@ -55,8 +110,10 @@ class AttentionParams:
     softcap: float | None = None
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
-    config: Config | None = None
     backend: str = "triton"
+    config: Any = None
+    backward_backend: str = "triton"
+    backward_config: Any = None
     interpret: bool = False
 
     def mask_spec(self, seq_q: int, seq_k: int) -> MaskSpec:

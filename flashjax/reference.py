@@ -65,8 +65,10 @@ def attention(
     dropout_rng=None,
     broadcast_dropout: bool = False,
     return_lse: bool = False,
+    dropout_seed=None,
 ):
-    """Reference attention, computed in float32.
+    """Reference attention, computed in float32 (or in the inputs' dtype when it is wider:
+    float64, complex).
 
     Args:
       q: queries [B, Tq, H, D].
@@ -85,29 +87,32 @@ def attention(
         keep mask of `flashjax.dropout` (the same bits the kernels draw).
       broadcast_dropout: one dropout mask for all batch rows and heads.
       return_lse: also return the row logsumexp [B, H, Tq] (natural log; -inf for empty rows).
+      dropout_seed: uint32 [2], the words `flashjax.dropout.seed_words` derives from
+        `dropout_rng`; give one or the other.
 
     Returns:
-      The output [B, Tq, H, D] in float32 (and the logsumexp if asked). Rows that
-      attend no key are 0.
+      The output [B, Tq, H, D] in the computation dtype (and the logsumexp if asked).
+      Rows that attend no key are 0.
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
     group = heads // kv_heads
-    qf = q.astype(jnp.float32).reshape(batch, seq_q, kv_heads, group, head_dim)
-    kf = k.astype(jnp.float32)
-    vf = v.astype(jnp.float32)
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    qf = q.astype(dtype).reshape(batch, seq_q, kv_heads, group, head_dim)
+    kf = k.astype(dtype)
+    vf = v.astype(dtype)
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=hp).reshape(batch, heads, seq_q, seq_k)
     logits = logits * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
+        logits = logits + bias.astype(dtype)
     if alibi_slopes is not None:
         distance = jnp.abs(jnp.arange(seq_q)[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
-        logits = logits - alibi_slopes.astype(jnp.float32)[None, :, None, None] * distance
+        logits = logits - alibi_slopes.astype(dtype)[None, :, None, None] * distance
     allowed = logits_mask(
         batch, seq_q, seq_k, causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask,
@@ -122,7 +127,8 @@ def attention(
     denom = jnp.sum(unnormalised, axis=-1, keepdims=True)
     probs = unnormalised / jnp.where(denom == 0.0, 1.0, denom)
     if dropout_rate > 0.0:
-        keep = dropout.keep_mask(dropout_rng, dropout_rate, batch, heads, seq_q, seq_k, broadcast=broadcast_dropout)
+        seed = dropout.seed_words(dropout_rng) if dropout_seed is None else dropout_seed
+        keep = dropout.keep_mask(seed, dropout_rate, batch, heads, seq_q, seq_k, broadcast=broadcast_dropout)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd", probs.reshape(batch, kv_heads, group, seq_q, seq_k), vf, precision=hp

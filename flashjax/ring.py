@@ -50,22 +50,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import api, reference
-from flashjax.config import Config
-from flashjax.kernels import triton as triton_backend
-from flashjax.params import AttentionParams, Extras
+from flashjax import backends, checks
+from flashjax.params import AttentionParams, Call, Extras
 
 __all__ = ["ring_attention", "zigzag_order", "zigzag_restore"]
-
-RING_BACKENDS = ("auto", "triton", "xla")
 
 
 # ---- the zig-zag layout ---------------------------------------------------------------
@@ -146,7 +140,7 @@ def ring_attention(
     batch_axis=None,
     head_axis=None,
     backend: str = "auto",
-    config: Config | None = None,
+    config=None,
 ):
     """Exact attention with the sequence sharded over a mesh axis (context parallelism).
 
@@ -189,10 +183,11 @@ def ring_attention(
       batch_axis, head_axis: optional further mesh axes (names or tuples of names)
         for the batch and head dimensions (data/head parallelism on top of the
         ring); kv_heads must be divisible by the head axis size too.
-      backend: ``"auto"`` / ``"triton"`` (the Pallas kernels, interpret mode
-        without a GPU) or ``"xla"`` (pure-JAX blocks, materialising each block's
-        scores: for checking and small CPU runs).
-      config: kernel tiling for the per-block calls; ``None`` = tuned default.
+      backend: the backend of the per-block calls, chosen as in
+        `flashjax.flash_attention` (``"auto"``: the Hopper kernels on an H100/H200
+        without segment ids, else the Triton kernels; ``"xla"``: pure-JAX blocks,
+        materialising each block's scores, for checking).
+      config: the chosen backend's config for the per-block calls; ``None`` = tuned default.
 
     Returns:
       The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
@@ -201,9 +196,13 @@ def ring_attention(
     Raises:
       ValueError: for inconsistent shapes (of segment_ids too), unknown mesh axes,
         sizes that do not divide, or bad options; the message says what to change.
+      NotImplementedError: when the named backend cannot run the block calls.
     """
-    ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config)
-    segments = _check_segments(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+    checks.check_qkv(q, k, v)
+    q_ids, kv_ids = checks.check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+    segments = None if q_ids is None else (q_ids, kv_ids)
+    ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
+                  segments is not None)
     o, lse = _ring_jit(ring, q, k, v, segments)
     return (o, lse) if return_lse else o
 
@@ -218,12 +217,9 @@ class _Ring:
     size: int  # devices on the ring
     causal: bool
     zigzag: bool  # causal with the zig-zag layout
-    scale: float
     batch_axis: object
     head_axis: object
-    backend: str  # "triton" or "xla"
-    config: Config | None
-    interpret: bool
+    block: AttentionParams  # the per-block calls' parameters and backends (causal set per call)
 
     @property
     def qkv_spec(self):
@@ -238,43 +234,18 @@ class _Ring:
         return P(self.batch_axis, self.axis_name)
 
     def params(self, causal: bool) -> AttentionParams:
-        return AttentionParams(
-            scale=self.scale, causal=causal, config=self.config, backend="triton", interpret=self.interpret
-        )
+        return dataclasses.replace(self.block, causal=causal)
 
 
-def _axis_size(mesh: Mesh, axis, what: str) -> int:
-    if axis is None:
-        return 1
-    names = axis if isinstance(axis, tuple) else (axis,)
-    for name in names:
-        if name not in mesh.shape:
-            raise ValueError(f"{what} {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
-    return math.prod(mesh.shape[name] for name in names)
-
-
-def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config) -> _Ring:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got {getattr(x, 'shape', x)!r}.")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"inconsistent shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}.")
-    if len({jnp.dtype(x.dtype) for x in (q, k, v)}) != 1:
-        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
+           has_segments: bool) -> _Ring:
     batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}).")
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    if not isinstance(axis_name, str) or axis_name not in mesh.shape:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
-    n = mesh.shape[axis_name]
-    n_batch = _axis_size(mesh, batch_axis, "batch_axis")
-    n_head = _axis_size(mesh, head_axis, "head_axis")
-    used = [axis_name] + [a for ax in (batch_axis, head_axis) if ax is not None for a in (ax if isinstance(ax, tuple) else (ax,))]
-    if len(set(used)) != len(used):
-        raise ValueError(f"axis_name, batch_axis and head_axis must be distinct mesh axes, got {used}.")
+    seq_k = k.shape[1]
+    if not isinstance(axis_name, str):
+        raise ValueError(f"axis_name must be the name of a mesh axis, got {axis_name!r}.")
+    sizes = checks.check_mesh_axes(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
+    checks.check_divisible(q, k, sizes)
+    n = sizes["axis_name"]
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}.")
     if causal and seq_q != seq_k:
@@ -285,39 +256,27 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
         if length % parts:
             layout = f"the zig-zag layout (2 chunks per device, {n} devices)" if zigzag else f"{n} equal shards"
             raise ValueError(f"{name}'s sequence length {length} must be a multiple of {parts} for {layout}.")
-    if batch % n_batch:
-        raise ValueError(f"batch {batch} is not divisible by the batch_axis size {n_batch}.")
-    if heads % n_head or kv_heads % n_head:
-        raise ValueError(
-            f"heads ({heads}) and kv_heads ({kv_heads}) must both be divisible by the head_axis size {n_head} "
-            "(each device keeps whole query groups with their K/V head)."
-        )
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
-        raise ValueError(f"scale must be a Python number > 0, got {scale!r}.")
-    if backend not in RING_BACKENDS:
-        raise ValueError(f"backend must be one of {RING_BACKENDS} for ring_attention, got {backend!r}.")
-    if config is not None and not isinstance(config, Config):
-        raise ValueError(f"config must be a flashjax.Config or None, got {type(config).__name__}.")
-    platform = mesh.devices.flat[0].platform
-    return _Ring(
-        mesh=mesh, axis_name=axis_name, size=n, causal=causal, zigzag=zigzag, scale=float(scale),
-        batch_axis=batch_axis, head_axis=head_axis, backend="xla" if backend == "xla" else "triton",
-        config=config if config is not None else Config.default(head_dim, q.dtype),
-        interpret=platform != "gpu",
+    device = mesh.devices.flat[0]
+    # The block calls: a device's queries against a block of keys (a zig-zag step halves one side).
+    call = Call(
+        batch=batch // sizes["batch_axis"], seq_q=seq_q // n, seq_k=seq_k // n, heads=heads // sizes["head_axis"],
+        kv_heads=k.shape[2] // sizes["head_axis"], head_dim=head_dim, dtype=jnp.dtype(q.dtype), causal=causal,
+        arrays=frozenset({"segment_ids"} if has_segments else ()), platform=device.platform,
+        compute_capability=str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else "",
     )
+    choice = backends.choose(call, backend, config)
+    block = AttentionParams(
+        scale=checks.check_scale(scale, head_dim), backend=choice.backend, config=choice.config,
+        backward_backend=choice.backward_backend, backward_config=choice.backward_config,
+        interpret=device.platform != "gpu",
+    )
+    return _Ring(mesh=mesh, axis_name=axis_name, size=n, causal=causal, zigzag=zigzag, batch_axis=batch_axis,
+                 head_axis=head_axis, block=block)
 
 
-def _check_segments(segment_ids, batch: int, seq_q: int, seq_k: int):
-    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from `segment_ids`, or None without ids."""
-    q_ids, kv_ids = api.check_segment_ids(segment_ids, batch, seq_q, seq_k)
-    return None if q_ids is None else (q_ids, kv_ids)
-
-
-# ---- one block: the kernels, or plain JAX ---------------------------------------------
+# ---- one block ----------------------------------------------------------------------------
 def _extras(seg) -> Extras:
-    """The kernels' optional arrays for a block: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any."""
+    """The block's optional arrays: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any."""
     return Extras() if seg is None else Extras(q_segment_ids=seg[0], kv_segment_ids=seg[1])
 
 
@@ -326,43 +285,17 @@ def _block_forward(ring: _Ring, q, k, v, causal: bool, seg):
 
     ``seg``: None or (q_ids [B, Tq], kv_ids [B, Tk]) of exactly these queries and keys.
     """
-    if ring.backend == "xla":
-        o, lse = reference.attention(q, k, v, causal=causal, scale=ring.scale, segment_ids=seg, return_lse=True)
-    else:
-        o, lse = triton_backend.forward(q, k, v, _extras(seg), ring.params(causal))
+    params = ring.params(causal)
+    o, lse = backends.get(params.backend).forward(q, k, v, _extras(seg), params, params.config)
     return o.astype(jnp.float32), lse
 
 
 def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg):
     """This block's share of (dq, dk, dv), float32, given the *global* o and lse."""
-    if ring.backend == "xla":
-        return _xla_block_backward(q, k, v, o, lse, do, dlse, causal, ring.scale, seg)
-    dq, dk, dv, _ = triton_backend.backward(q, k, v, o, lse, do, dlse, _extras(seg), ring.params(causal))
+    params = ring.params(causal)
+    backward = backends.get(params.backward_backend).backward
+    dq, dk, dv, _ = backward(q, k, v, o, lse, do, dlse, _extras(seg), params, params.backward_config)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
-
-
-def _xla_block_backward(q, k, v, o, lse, do, dlse, causal: bool, scale: float, seg):
-    """The FlashAttention backward for one block in plain JAX (float32, scores materialised)."""
-    f32 = lambda x: x.astype(jnp.float32)
-    batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    hp = jax.lax.Precision.HIGHEST
-    qg = f32(q).reshape(batch, seq_q, kv_heads, group, head_dim)
-    dog = f32(do).reshape(qg.shape)
-    s = scale * jnp.einsum("bqhgd,bkhd->bhgqk", qg, f32(k), precision=hp)
-    lse_g = lse.reshape(batch, kv_heads, group, seq_q, 1)
-    allowed = reference.logits_mask(batch, seq_q, seq_k, causal=causal, segment_ids=seg)[:, :, None]
-    # Rows with lse = -inf see no key anywhere: P = 0 (never exp(-inf + inf)).
-    p = jnp.where(allowed & (lse_g > -jnp.inf), jnp.exp(s - jnp.where(lse_g > -jnp.inf, lse_g, 0.0)), 0.0)
-    delta = jnp.einsum("bqhd,bqhd->bhq", f32(o), f32(do)) - dlse
-    delta = delta.reshape(batch, kv_heads, group, seq_q, 1)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, f32(v), precision=hp)
-    ds = p * (dp - delta)
-    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=hp)
-    dk = scale * jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=hp)
-    dq = scale * jnp.einsum("bhgqk,bkhd->bqhgd", ds, f32(k), precision=hp).reshape(q.shape)
-    return dq, dk, dv
 
 
 # ---- one ring step: which part of the block this device's queries see ----------------

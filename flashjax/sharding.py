@@ -24,11 +24,10 @@ Sequence sharding is a different algorithm (keys live on other devices): use
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from flashjax import checks
 from flashjax.api import flash_attention
 
 __all__ = ["sharded_flash_attention"]
@@ -111,20 +110,10 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
-def _axis_names(axis) -> tuple[str, ...]:
-    if axis is None:
-        return ()
-    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-
-
-def _axis_size(mesh: Mesh, axis) -> int:
-    return math.prod(mesh.shape[name] for name in _axis_names(axis))
-
-
 def _shard_index(mesh: Mesh, batch_axis, head_axis):
     """This device's linear index over the batch and head axes."""
     index = 0
-    for name in _axis_names(batch_axis) + _axis_names(head_axis):
+    for name in checks.mesh_axis_names(batch_axis) + checks.mesh_axis_names(head_axis):
         index = index * mesh.shape[name] + jax.lax.axis_index(name)
     return index
 
@@ -141,22 +130,15 @@ def _input_spec(x):
 
 
 def _check(q, k, v, mesh, batch_axis, head_axis):
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    checks.check_qkv(q, k, v)
     if batch_axis is None and head_axis is None:
         raise ValueError(
             "sharded_flash_attention needs batch_axis and/or head_axis; to shard the sequence use "
             "flashjax.ring.ring_attention."
         )
-    used = _axis_names(batch_axis) + _axis_names(head_axis)
-    for name in used:
-        if name not in mesh.shape:
-            raise ValueError(f"mesh axis {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
-    if len(set(used)) != len(used):
-        raise ValueError(f"batch_axis and head_axis must name distinct mesh axes, got {batch_axis!r} and {head_axis!r}.")
+    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    checks.check_divisible(q, k, sizes)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got {getattr(x, 'shape', x)!r}.")
         spec = _input_spec(x)
         if spec is None:
             continue
@@ -172,16 +154,6 @@ def _check(q, k, v, mesh, batch_axis, head_axis):
                 f"{name} is sharded along head_dim (spec {P(*spec)}): every head needs its whole head_dim; "
                 "shard the heads (head_axis) instead."
             )
-    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
-    n_batch, n_head = _axis_size(mesh, batch_axis), _axis_size(mesh, head_axis)
-    if batch % n_batch:
-        raise ValueError(f"batch {batch} is not divisible by the size {n_batch} of batch_axis {batch_axis!r}.")
-    if heads % n_head or kv_heads % n_head:
-        raise ValueError(
-            f"heads ({heads}) and kv_heads ({kv_heads}) must both be divisible by the size {n_head} of head_axis "
-            f"{head_axis!r}: each device keeps whole query groups with their K/V head. Shard fewer ways or "
-            "replicate the K/V heads."
-        )
 
 
 def _kwarg_spec(name, value, batch, heads, batch_axis, head_axis):

@@ -4,13 +4,16 @@ Every bad argument raises a ValueError whose message names the argument; these
 checks run before any kernel is traced, so the tests are instant.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import flashjax
-from flashjax import api
+from flashjax import api, backends
+from flashjax.kernels.triton import backend as triton_backend
 
 B, T, H, D = 1, 8, 2, 16
 
@@ -37,7 +40,6 @@ ARRAY_ERRORS = [
     pytest.param(lambda: arrays(q_shape=(B, T, 3, D), kv_shape=(B, T, 2, D)), "heads", id="heads-not-divisible"),
     pytest.param(lambda: arrays(q_shape=(B, T, 2, D), kv_shape=(B, T, 4, D)), "heads", id="more-kv-heads"),
     pytest.param(lambda: arrays(q_shape=(B, T, H, 0), kv_shape=(B, T, H, 0)), "head_dim", id="head-dim-0"),
-    pytest.param(lambda: arrays(q_shape=(B, T, H, 264), kv_shape=(B, T, H, 264)), "head_dim", id="head-dim-264"),
     pytest.param(lambda: arrays(k_dtype=jnp.bfloat16), "dtype", id="dtype-mismatch-k"),
     pytest.param(lambda: arrays(v_dtype=jnp.float16), "dtype", id="dtype-mismatch-v"),
     pytest.param(lambda: arrays(dtype=jnp.int32), "dtype", id="dtype-int32"),
@@ -77,6 +79,14 @@ OPTION_ERRORS = [
     pytest.param(dict(backend="cuda"), "backend", id="backend-unknown"),
     pytest.param(dict(backend=None), "backend", id="backend-none"),
     pytest.param(dict(config={"block_q": 64}), "config", id="config-dict"),
+    pytest.param(dict(softcap=float("inf")), "softcap", id="softcap-inf"),
+    pytest.param(dict(softcap=True), "softcap", id="softcap-bool"),
+    pytest.param(dict(softcap=jnp.float32(30.0)), "static Python number", id="softcap-array"),
+    pytest.param(dict(dropout_rate=jnp.float32(0.1), dropout_rng=jax.random.key(0)), "static Python number",
+                 id="dropout-rate-array"),
+    pytest.param(dict(dropout_rate=0.1, dropout_rng=0), "dropout_rng", id="dropout-rng-int"),
+    pytest.param(dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0), 2)), "dropout_rng",
+                 id="dropout-rng-two-keys"),
     pytest.param(dict(bias=[[0.0]]), "bias", id="bias-not-array"),
     pytest.param(dict(bias=jnp.zeros((1, B, H, T, T))), "bias", id="bias-rank5"),
     pytest.param(dict(bias=jnp.zeros((B, H, T, T + 1))), "bias", id="bias-not-broadcastable"),
@@ -135,87 +145,134 @@ def test_xla_backend_is_the_reference(make_inputs, reference_fwd, assert_close, 
     assert_lse_close(lse, want_lse, dtype)
 
 
-# ---- backend="auto" on the CPU ---------------------------------------------------------
+# ---- the backend registry: what auto picks, on this machine and on a stubbed GPU ----------
 @pytest.fixture
 def spies(monkeypatch):
-    """Replaces the kernels' entry point and the reference by stubs that record their calls."""
-    calls = {"kernels": [], "reference": []}
+    """Replaces the backends' forward by stubs that record which backend ran, with what params."""
+    calls = []
 
-    def kernels(q, k, v, extras, params):
-        calls["kernels"].append(params)
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    def stub(name):
+        def forward(q, k, v, extras, params, config):
+            calls.append((name, params))
+            return jnp.zeros(q.shape, q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
-    def reference(q, k, v, **kwargs):
-        calls["reference"].append(kwargs)
-        o = jnp.zeros(q.shape, jnp.float32)
-        return (o, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]))) if kwargs.get("return_lse") else o
+        return forward
 
-    monkeypatch.setattr(flashjax.autodiff, "attention", kernels)
-    monkeypatch.setattr(flashjax.reference, "attention", reference)
-    return calls
+    stubs = {name: dataclasses.replace(backends.get(name), forward=stub(name)) for name in backends.names()}
+    monkeypatch.setattr(backends, "get", stubs.__getitem__)
+    api._attention.clear_cache()  # so that the stubs are traced, not a cached kernel call
+    yield calls
+    api._attention.clear_cache()
 
 
-# The stub of autodiff.attention is read when `api._kernel_attention` is traced; a
-# scale used by no other test makes the jit cache miss, so each call below traces.
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU, auto always picks the kernels")
+def on_device(monkeypatch, platform, capability=""):
+    monkeypatch.setattr(backends, "describe_device", lambda: (platform, capability))
+
+
 @pytest.mark.parametrize(
     "seq,limit,expected",
     [
-        pytest.param(16, None, "kernels", id="small-interpret"),
-        pytest.param(64, 2 * 64 * 64 - 1, "reference", id="over-limit-reference"),
-        pytest.param(64, 2 * 64 * 64, "kernels", id="at-limit-interpret"),
+        pytest.param(16, None, "triton", id="small-interpret"),
+        pytest.param(64, 2 * 64 * 64 - 1, "xla", id="over-limit-reference"),
+        pytest.param(64, 2 * 64 * 64, "triton", id="at-limit-interpret"),
     ],
 )
-def test_auto_backend_on_cpu(spies, monkeypatch, seq, limit, expected):
-    """Without a GPU, auto runs the kernels in interpret mode up to INTERPRET_LIMIT scores (B*H*Tq*Tk)."""
+def test_auto_without_a_gpu(spies, monkeypatch, seq, limit, expected):
+    """Without a GPU, auto runs the Triton kernels in interpret mode up to INTERPRET_LIMIT
+    scores (B*H*Tq*Tk) and the reference beyond; explain says why."""
+    on_device(monkeypatch, "cpu")
     if limit is not None:
-        monkeypatch.setattr(api, "INTERPRET_LIMIT", limit)
+        monkeypatch.setattr(triton_backend, "INTERPRET_LIMIT", limit)
     q = jnp.zeros((1, seq, 2, 16), jnp.float32)
-    flashjax.flash_attention(q, q, q, scale=0.123456 + seq + (limit or 0), backend="auto")
-    assert len(spies[expected]) == 1
-    assert len(spies["kernels" if expected == "reference" else "reference"]) == 0
-    if expected == "kernels":
-        assert spies["kernels"][0].interpret, "off the GPU the kernels must run in interpret mode"
-
-
-def test_auto_default_limit_sends_large_problems_to_reference(spies):
-    q = jnp.zeros((1, 2049, 1, 16), jnp.float32)  # 2049^2 scores > 2^22
-    if jax.default_backend() == "gpu":
-        pytest.skip("on a GPU, auto always picks the kernels")
     flashjax.flash_attention(q, q, q, backend="auto")
-    assert len(spies["reference"]) == 1 and not spies["kernels"]
+    assert [name for name, _ in spies] == [expected]
+    if expected == "triton":
+        assert spies[0][1].interpret, "off the GPU the kernels must run in interpret mode"
+    else:
+        (passed, reasons), = flashjax.explain(q, q, q).passed
+        assert passed == "triton" and "interpret" in reasons[0]
+
+
+def test_auto_default_limit_sends_large_problems_to_reference(spies, monkeypatch):
+    on_device(monkeypatch, "cpu")
+    q = jnp.zeros((1, 2049, 1, 16), jnp.float32)  # 2049^2 scores > 2^22
+    flashjax.flash_attention(q, q, q, backend="auto")
+    assert [name for name, _ in spies] == ["xla"]
 
 
 def test_triton_backend_forced(spies):
     q = jnp.zeros((1, 4096, 2, 16), jnp.float32)  # far over the interpret limit
-    flashjax.flash_attention(q, q, q, scale=0.654321, backend="triton")
-    assert len(spies["kernels"]) == 1 and not spies["reference"]
-    assert spies["kernels"][0].interpret == (jax.default_backend() != "gpu")
+    flashjax.flash_attention(q, q, q, backend="triton")
+    assert [name for name, _ in spies] == ["triton"]
+    assert spies[0][1].interpret == (jax.default_backend() != "gpu")
 
 
 def test_xla_backend_forced(spies):
     q = jnp.zeros((1, 16, 2, 16), jnp.float32)
     flashjax.flash_attention(q, q, q, backend="xla")
-    assert len(spies["reference"]) == 1 and not spies["kernels"]
+    assert [name for name, _ in spies] == ["xla"]
 
 
-# ---- backend="auto" on a GPU: Mosaic on Hopper for what it supports, Triton otherwise ----
 @pytest.mark.parametrize(
-    "hopper,dtype,options,expected",
+    "capability,dtype,head_dim,options,forward,backward",
     [
-        pytest.param(True, jnp.bfloat16, {}, "mosaic", id="hopper-bf16"),
-        pytest.param(True, jnp.float16, dict(causal=True), "mosaic", id="hopper-f16-causal"),
-        pytest.param(True, jnp.float32, {}, "triton", id="hopper-f32"),
-        pytest.param(True, jnp.bfloat16, dict(window=(8, 0)), "triton", id="hopper-window"),
-        pytest.param(True, jnp.bfloat16, dict(softcap=30.0), "triton", id="hopper-softcap"),
-        pytest.param(False, jnp.bfloat16, {}, "triton", id="other-gpu-bf16"),
+        pytest.param("9.0", jnp.bfloat16, 64, {}, "mosaic", "mosaic", id="hopper-bf16"),
+        pytest.param("9.0", jnp.float16, 64, dict(causal=True), "mosaic", "mosaic", id="hopper-f16-causal"),
+        pytest.param("9.0", jnp.bfloat16, 256, {}, "mosaic", "triton", id="hopper-d256-triton-backward"),
+        pytest.param("9.0", jnp.float32, 64, {}, "triton", "triton", id="hopper-f32"),
+        pytest.param("9.0", jnp.bfloat16, 64, dict(window=(8, 0)), "triton", "triton", id="hopper-window"),
+        pytest.param("9.0", jnp.bfloat16, 64, dict(softcap=30.0), "triton", "triton", id="hopper-softcap"),
+        pytest.param("8.0", jnp.bfloat16, 64, {}, "triton", "triton", id="other-gpu-bf16"),
+        pytest.param("9.0", jnp.float64, 64, {}, "xla", "xla", id="hopper-f64-reference"),
     ],
 )
-def test_auto_backend_on_a_gpu(spies, monkeypatch, hopper, dtype, options, expected):
-    monkeypatch.setattr(api, "_platform", lambda: "gpu")
-    monkeypatch.setattr(api, "_is_hopper", lambda: hopper)
-    api._kernel_attention.clear_cache()  # so that the stub is traced, not a cached kernel call
-    q = jnp.zeros((1, 64, 2, 64), dtype)
-    flashjax.flash_attention(q, q, q, backend="auto", **options)
-    assert [p.backend for p in spies["kernels"]] == [expected]
-    assert not spies["kernels"][0].interpret, "on a GPU the kernels are compiled"
+def test_auto_on_a_gpu(spies, monkeypatch, capability, dtype, head_dim, options, forward, backward):
+    """On a GPU: the Hopper kernels on sm90 for what they support, Triton otherwise, the
+    reference for what no kernel takes; the backward moves when the forward's backend has none."""
+    on_device(monkeypatch, "gpu", capability)
+    with jax.enable_x64(dtype == jnp.float64):
+        q = jnp.zeros((1, 64, 2, head_dim), dtype)
+        choice = flashjax.explain(q, q, q, **options)
+        assert (choice.backend, choice.backward_backend) == (forward, backward)
+        flashjax.flash_attention(q, q, q, backend="auto", **options)
+    assert [name for name, _ in spies] == [forward]
+    params = spies[0][1]
+    assert (params.backend, params.backward_backend) == (forward, backward)
+    assert not params.interpret, "on a GPU the kernels are compiled"
+
+
+def test_explain_names_what_excluded_the_faster_backends(monkeypatch):
+    on_device(monkeypatch, "gpu", "9.0")
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    choice = flashjax.explain(q, q, q, window=(8, 0), segment_ids=jnp.zeros((1, 64), jnp.int32))
+    assert choice.backend == "triton"
+    (name, reasons), = choice.passed
+    assert name == "mosaic" and any("window" in r for r in reasons) and any("segment_ids" in r for r in reasons)
+    text = str(choice)
+    assert "forward: triton" in text and "not mosaic" in text and "window" in text
+
+
+def test_explain_takes_shapes_only():
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float32)
+    choice = flashjax.explain(q, q, q, bias=bias, causal=True)
+    assert choice.backend in backends.names()
+
+
+def test_config_selects_its_backend(spies, monkeypatch):
+    on_device(monkeypatch, "gpu", "9.0")
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    tiles = flashjax.KernelConfig(16, 16)
+    flashjax.flash_attention(q, q, q, config=flashjax.TritonConfig(tiles, tiles, tiles))
+    assert [name for name, _ in spies] == ["triton"]
+    with pytest.raises(ValueError, match="MosaicConfig"):
+        flashjax.flash_attention(q, q, q, backend="triton", config=flashjax.MosaicConfig())
+    with pytest.raises(ValueError, match="config"):
+        flashjax.flash_attention(q, q, q, config={"block_q": 64})
+
+
+def test_forced_backend_lists_its_reasons(monkeypatch):
+    on_device(monkeypatch, "cpu")
+    q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with pytest.raises(NotImplementedError, match="sm90.*float32"):
+        flashjax.flash_attention(q, q, q, backend="mosaic")

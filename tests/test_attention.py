@@ -135,8 +135,8 @@ def test_vmap(make_inputs, reference_fwd, assert_close, assert_lse_close):
 
 
 def test_explicit_config(make_inputs, reference_fwd, assert_close, assert_lse_close):
-    """A user Config with small tiles: many tiles per row, so the online-softmax rescaling runs often."""
+    """A user TritonConfig with small tiles: many tiles per row, so the online-softmax rescaling runs often."""
     tiles = flashjax.KernelConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
-    config = flashjax.Config(fwd=tiles, dkv=tiles, dq=tiles)
+    config = flashjax.TritonConfig(fwd=tiles, dkv=tiles, dq=tiles)
     x = make_inputs(1, 100, 100, 2, 2, 32)
     check_forward(x, jnp.float32, reference_fwd, assert_close, assert_lse_close, causal=True, config=config)

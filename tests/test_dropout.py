@@ -80,7 +80,7 @@ def test_different_seeds_give_different_outputs(key, make_inputs):
     a, b = run(jax.random.fold_in(key, 1)), run(jax.random.fold_in(key, 2))
     # Every row drops a different subset of its 70 keys: every output row changes.
     assert np.mean(a != b) > 0.99
-    masks = [dropout.keep_mask(jax.random.fold_in(key, i), 0.3, 2, 2, 70, 70) for i in (1, 2)]
+    masks = [dropout.keep_mask(dropout.seed_words(jax.random.fold_in(key, i)), 0.3, 2, 2, 70, 70) for i in (1, 2)]
     assert np.mean(np.asarray(masks[0]) != np.asarray(masks[1])) > 0.3  # independent: 2 * 0.3 * 0.7 = 0.42
 
 
@@ -106,7 +106,7 @@ def test_kernel_mask_equals_keep_mask(broadcast, key):
     np.testing.assert_allclose(from_o, np.round(from_o), atol=1e-4)
     np.testing.assert_allclose(from_dv, np.round(from_dv), atol=1e-4)
 
-    want = np.broadcast_to(np.asarray(dropout.keep_mask(rng, rate, batch, heads, seq, seq, broadcast=broadcast)), from_o.shape)
+    want = np.broadcast_to(np.asarray(dropout.keep_mask(dropout.seed_words(rng), rate, batch, heads, seq, seq, broadcast=broadcast)), from_o.shape)
     np.testing.assert_array_equal(from_o > 0.5, want, err_msg="forward kernel's mask")
     np.testing.assert_array_equal(from_dv > 0.5, want, err_msg="dK/dV kernel's mask")
     same_everywhere = np.all(want == want[:1, :1])
@@ -134,7 +134,7 @@ def _corr(a, b) -> float:
 def test_keep_mask_statistics(rate, key):
     """Keep rate within 4 standard errors of 1 - rate; rows, columns and streams uncorrelated."""
     batch, heads, seq = 2, 4, 256
-    keep = np.asarray(dropout.keep_mask(key, rate, batch, heads, seq, seq))
+    keep = np.asarray(dropout.keep_mask(dropout.seed_words(key), rate, batch, heads, seq, seq))
     assert keep.shape == (batch, heads, seq, seq) and keep.dtype == bool
     n = keep.size
     p = 1.0 - rate
@@ -164,7 +164,7 @@ def test_keep_mask_statistics(rate, key):
         bound = 4 / math.sqrt(a.size) if name != "transpose" else 4 * math.sqrt(2 / a.size) + 1.0 / seq
         assert abs(r) < bound, f"{name}: correlation {r:.4f} (bound {bound:.4f})"
 
-    shared = np.asarray(dropout.keep_mask(key, rate, batch, heads, seq, seq, broadcast=True))
+    shared = np.asarray(dropout.keep_mask(dropout.seed_words(key), rate, batch, heads, seq, seq, broadcast=True))
     assert shared.shape == (1, 1, seq, seq)
     assert abs(shared.mean() - p) < 4 * math.sqrt(p * rate / shared.size)
 

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import pallas_call_registration
 
-from flashjax import autodiff, reference
-from flashjax.config import Config
+from flashjax import MosaicConfig, TritonConfig, autodiff, reference
 from flashjax.params import AttentionParams, Extras
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -94,9 +93,10 @@ CASES = [
 @pytest.mark.parametrize("heads,kv_heads,head_dim,causal,window", CASES)
 def test_lowers_to_triton_for_sm90(fake_h100, heads, kv_heads, head_dim, causal, window):
     dtype = jnp.bfloat16
-    config = Config.default(head_dim, dtype)
+    config = TritonConfig.default(head_dim, dtype)
     params = AttentionParams(
-        scale=head_dim**-0.5, causal=causal, window=window, config=config, backend="triton", interpret=False,
+        scale=head_dim**-0.5, causal=causal, window=window, backend="triton", config=config,
+        backward_backend="triton", backward_config=config, interpret=False,
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
@@ -128,7 +128,8 @@ MOSAIC_CALL = "custom_call @mosaic_gpu_v2"
 MOSAIC_CASES = [
     # (heads, kv_heads, head_dim, causal, MosaicConfig overrides, kernels expected)
     pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-gqa2"),
-    pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap_pingpong"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
+    pytest.param(4, 2, 128, False, {"fwd_schedule": "pingpong"}, ("fwd", "dkv", "dq"), id="d128-pingpong"),
+    pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
     pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
     pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
@@ -142,13 +143,12 @@ def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overri
     (register allocation, running) is left to tests/test_mosaic.py on the device."""
     import dataclasses
 
-    from flashjax.config import MosaicConfig
-    from flashjax.kernels import mosaic
-
     dtype = jnp.bfloat16
-    tiling = dataclasses.replace(MosaicConfig.default(mosaic.padded_head_dim(head_dim), device_kind=""), **overrides)
-    config = dataclasses.replace(Config.default(head_dim, dtype), mosaic=tiling)
-    params = AttentionParams(scale=head_dim**-0.5, causal=causal, config=config, backend="mosaic", interpret=False)
+    config = dataclasses.replace(MosaicConfig.default(head_dim, device_kind=""), **overrides)
+    params = AttentionParams(
+        scale=head_dim**-0.5, causal=causal, backend="mosaic", config=config, backward_backend="mosaic",
+        backward_config=config, interpret=False,
+    )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
     text = lower_attention_for_cuda(params, q, kv)

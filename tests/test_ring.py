@@ -151,7 +151,8 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(seq=63), "multiple of 2"),
         (dict(causal=False, seq_k=32), None),
         (dict(seq_k=32), "same length"),
-        (dict(backend="mosaic"), "backend must be one of"),
+        (dict(backend="cuda"), "backend must be 'auto' or one of"),
+        (dict(config={"block_q": 64}), "config must be one of"),
         (dict(head_axis="sp"), "distinct"),
         (dict(segment_ids=np.zeros((1, 32), np.int32)), r"q segment_ids must have shape \(1, 64\)"),
         (dict(segment_ids=(np.zeros((1, 64), np.int32), np.zeros((2, 64), np.int32))), "kv segment_ids must have"),
@@ -171,3 +172,13 @@ def test_ring_errors(kwargs, message):
         return
     with pytest.raises(ValueError, match=message):
         ring_attention(q, k, k, **options)
+
+
+def test_ring_named_backend_that_cannot_run_the_blocks():
+    """The ring chooses its block backend like flash_attention: a named one that cannot
+    run the call raises with its reasons (here: no Hopper GPU, or segment ids)."""
+    mesh = jax.make_mesh((1,), ("sp",))
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="mosaic"):
+        ring_attention(q, q, q, mesh=mesh, axis_name="sp", backend="mosaic",
+                       segment_ids=jnp.zeros((1, 64), jnp.int32))

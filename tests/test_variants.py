@@ -24,11 +24,11 @@ from conftest import check_close, check_lse
 
 import flashjax
 from flashjax import reference
-from flashjax.config import Config, KernelConfig
+from flashjax import KernelConfig, TritonConfig
 
 # Different tiles per kernel: the dK/dV kernel walks query tiles of another size
 # than the forward's, so a mismatch between their block ranges would show.
-SMALL_TILES = Config(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
+SMALL_TILES = TritonConfig(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
 
 
 # ---- helpers ---------------------------------------------------------------------------

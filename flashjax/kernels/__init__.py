@@ -1,2 +1,3 @@
-"""Attention kernels. Each backend module exposes `forward` and `backward` with the
-signatures of `flashjax.kernels.triton`; nothing here imports the public API."""
+"""Attention backends: `triton` and `mosaic` (Pallas kernels) and `xla` (the reference).
+
+Each builds a `flashjax.backends.Backend`; nothing here imports the public API."""

@@ -17,50 +17,22 @@ dS = P * (dP - delta), dP = dO V^T.
   key tiles it sees, streamed by the producer. No atomics: every dQ row is
   summed by one warpgroup in a fixed order, so results are bit-reproducible.
 
-Causal (bottom-right aligned) tiles that see nothing are never loaded; only the
-diagonal tiles are masked. Padded keys need no mask: they are zero rows of K and
-V, so they add nothing to dQ, and their own dK/dV rows are dropped.
+Tile ranges come from `MaskSpec.q_range` / `kv_range`: tiles that see nothing are
+never loaded, and only the boundary tiles (the causal diagonal, the last partial
+key tile) are masked.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
-from flashjax.kernels.mosaic_fwd import (
-    COMPUTE_WGS, CONSUMER_REGISTERS, PRODUCER_REGISTERS, FwdTiling, _q_pair, _smem_tiles, causal_kv_range, grid_spec, loop,
-)
-
-
-def _product(a, b, shape):
-    """a @ b (shared-memory operands) into a fresh float32 accumulator, waited for."""
-
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
-def _params():
-    return plgpu.CompilerParams(approx_math=True)
-
-
-def _causal_q_range(k_start, *, n_q: int, t: FwdTiling):
-    """(lo, full): query tiles [lo, n_q) see some key of [k_start, k_start + t.block_kv),
-    and [full, n_q) see all of them (bottom-right causal; (0, 0) without a mask)."""
-    if not t.causal:
-        return 0, 0
-    offset = t.seq_k - t.seq_q
-    lo = lax.div(jnp.maximum(k_start - offset, 0), t.block_q)
-    full = lax.div(jnp.maximum(k_start + t.block_kv - 1 - offset, 0) + t.block_q - 1, t.block_q)
-    return jnp.minimum(lo, n_q), jnp.clip(full, jnp.minimum(lo, n_q), n_q)
+from flashjax.kernels.mosaic import common
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling, loop
+from flashjax.masks import BlockRange
 
 
 def _store_dk_dv(dk, dv, k_smem, v_smem, dk_dst, dv_dst, scale: float):
@@ -86,7 +58,7 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: FwdTiling):
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
 
@@ -95,11 +67,9 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: FwdTiling):
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
-    s_t = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
     if masked:
-        keys = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 0, layout=plgpu.Layout.WGMMA)
-        rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, block_q), 1, layout=plgpu.Layout.WGMMA)
-        s_t = jnp.where(keys + (k_start - (t.seq_k - t.seq_q)) <= rows + i * block_q, s_t, -jnp.inf)
+        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     p_t = jnp.exp2(s_t * (t.scale * LOG2E) - lax.broadcast_in_dim(lse, s_t.shape, [1]))
 
@@ -109,13 +79,12 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: FwdTiling):
         plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
 
-    zeros = plgpu.layout_cast(jnp.full((block_kv, block_q), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+    dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     return dv, p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
 
-def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
+def dkv(q, k, v, do, lse2, delta, t: Tiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
@@ -124,26 +93,30 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
+    stages = t.stages
 
-    q_range = functools.partial(_causal_q_range, n_q=n_q, t=t)
+    def q_tiles(k_block):
+        return t.spec.q_range(k_block, block_q, block_kv, n_q)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
-        cta_k = lax.axis_index("kv_seq") * (COMPUTE_WGS * block_kv)
-        cta_lo, _ = q_range(cta_k)
-        per_head = n_q - cta_lo  # query tiles streamed per query head
+        pair = lax.axis_index("pair")
+        # The producer streams, for every query head of the group, the query tiles either
+        # consumer's key tile meets.
+        ring_lo, ring_hi = common.hull(q_tiles(pair * COMPUTE_WGS), q_tiles(pair * COMPUTE_WGS + 1))
+        per_head = ring_hi - ring_lo
         steps = group * per_head
-        stages = t.stages
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            k_start = cta_k + wg * block_kv
-            lo, full = q_range(k_start)
+            k_block = pair * COMPUTE_WGS + wg
+            k_start = k_block * block_kv
+            tiles = q_tiles(k_block)
             at = (b, pl.ds(k_start, block_kv), hk)
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
@@ -170,31 +143,31 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
                 return dk, dv
 
             def skip(s, _):
-                # A query tile the CTA streams but this key tile does not see: keep the
+                # A query tile the CTA streams but this key tile does not meet: keep the
                 # ring's barriers in step without computing.
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
                 plgpu.barrier_arrive(free.at[slot])
 
             def head(g, carry):
-                base = g * per_head - cta_lo  # ring step of query tile i is base + i
-                if t.causal:
-                    lax.fori_loop(cta_lo, lo, lambda i, c: skip(base + i, c), None)
-                carry = loop(lo, full, lambda i, c: step(base + i, i, c, masked=True), carry)
-                return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
+                base = g * per_head - ring_lo  # ring step of query tile i is base + i
+                lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
+                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked), carry)
+                lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
+                return carry
 
-            zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            zero = common.zeros((block_kv, head_dim))
             dk, dv = loop(0, group, head, (zero, zero))
             _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
 
             def load(s):
                 slot = lax.rem(s, stages)
                 h = hk * group + lax.div(s, per_head)
-                rows = pl.ds((cta_lo + lax.rem(s, per_head)) * block_q, block_q)
+                rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
                 _load_query_tile(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
                     (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
@@ -209,37 +182,29 @@ def dkv(q, k, v, do, lse2, delta, t: FwdTiling):
                 load(s)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
-        tiles = _smem_tiles()
-        st = t.stages
+        tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
             plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # V in, dV out
-            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((st, block_q), jnp.float32),
-            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_q), jnp.float32),
+            plgpu.SMEM((stages, block_q), jnp.float32),
         )
-        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=st),) * 4
+        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped),
-            smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),
+            smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             collective_axes="wg",
         )
 
-    grid, names = grid_spec(k_len // (COMPUTE_WGS * block_kv), kv_heads, batch, "kv_seq", t.tile_major)
-    return plgpu.kernel(
-        entry,
-        out_type=(k, v),
-        grid=grid,
-        grid_names=names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        kernel_name="flashjax_mosaic_dkv",  # what profilers show
-        compiler_params=_params(),
+    return common.launch(
+        entry, out_type=(k, v), pairs=k_len // (COMPUTE_WGS * block_kv), heads=kv_heads, batch=batch,
+        kernel_name="flashjax_mosaic_dkv",
     )(q, k, v, do, lse2, delta)
 
 
-def dq(q, k, v, do, lse2, delta, t: FwdTiling):
+def dq(q, k, v, do, lse2, delta, t: Tiling):
     """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics)."""
     batch, q_len, heads, head_dim = q.shape
     k_len, kv_heads = k.shape[1], k.shape[2]
@@ -248,29 +213,28 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
     n_kv = k_len // block_kv
+    n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
-    offset = t.seq_k - t.seq_q
     scale_log2 = t.scale * LOG2E
 
-    def kv_range(q_start, rows):
-        if not t.causal:
-            return n_kv, n_kv  # padded keys are zero rows of K: no tail mask needed here
-        return causal_kv_range(q_start, rows, block_kv=block_kv, n_kv=n_kv, t=t)
+    def kv_tiles(q_block):
+        return t.spec.kv_range(q_block, block_q, block_kv, n_kv)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
-        cta_q = _q_pair(q_len, block_q, t.causal) * (COMPUTE_WGS * block_q)
-        cta_end, _ = kv_range(cta_q, COMPUTE_WGS * block_q)
+        pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
+        ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-            q_start = cta_q + wg * block_q
-            end, full = kv_range(q_start, block_q)
+            q_block = pair * COMPUTE_WGS + wg
+            q_start = q_block * block_q
+            tiles = kv_tiles(q_block)
             rows = pl.ds(q_start, block_q)
             own = [
                 (q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
@@ -284,18 +248,16 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
             def step(j, acc, masked: bool):
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j - ring_lo, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                s = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
+                s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 if masked:
-                    rows_ = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(cols + j * block_kv <= rows_ + (q_start + offset), s, -jnp.inf)
+                    s = common.mask_tile(s, t.spec, q_start, j * block_kv)
                 p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
-                dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
+                dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
@@ -306,17 +268,10 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 plgpu.barrier_arrive(k_free.at[slot])
                 return acc
 
-            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            acc = loop(0, full, lambda j, c: step(j, c, masked=False), acc)
-            acc = loop(full, end, lambda j, c: step(j, c, masked=True), acc)
-
-            def drain(j, _):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-
-            if t.causal:
-                lax.fori_loop(end, cta_end, drain, None)
+            free = (k_free, v_free)
+            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages)
+            acc = common.visit(tiles, step, common.zeros((block_q, head_dim)))
+            common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages)
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -324,27 +279,16 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            kv_h = lax.div(h, group)
-
-            def load(j):
-                slot = lax.rem(j, stages)
-                at = (b, pl.ds(j * block_kv, block_kv), kv_h)
-                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
-
-            for i in range(stages):
-                pl.when(i < cta_end)(lambda i=i: load(jnp.int32(i)))
-
-            @pl.loop(stages, jnp.maximum(cta_end, stages))
-            def _(j):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                load(j)
+            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+            kv_head = lax.div(h, group)
+            common.stream_kv(
+                k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), (k_free, v_free),
+                at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+            )
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
-        tiles = _smem_tiles()
+        tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),
@@ -364,20 +308,12 @@ def dq(q, k, v, do, lse2, delta, t: FwdTiling):
             smem, ready, free, collective_axes="wg",
         )
 
-    grid, names = grid_spec(q_len // (COMPUTE_WGS * block_q), heads, batch, "q_seq", t.tile_major)
-    return plgpu.kernel(
-        entry,
-        out_type=q,
-        grid=grid,
-        grid_names=names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        kernel_name="flashjax_mosaic_dq",  # what profilers show
-        compiler_params=_params(),
+    return common.launch(
+        entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
     )(q, k, v, do, lse2, delta)
 
 
-def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
+def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype and dQ / scale [B, Tqp, H, D] in float32, in one pass.
 
     The dK/dV kernel's walk (one CTA per pair of `block_kv` key tiles) with
@@ -396,11 +332,8 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
       theirs, adds, waits for the add to land, then signals. Pairs only wait on
       pairs the GPU launched before them.
 
-    Measured slower than dkv + dq on the H100 (MosaicConfig.bwd_dq, mosaic-notes.md
-    v5): ptxas spills 200-900 bytes of the consumers' registers (dK, dV and the dQ
-    slice accumulate at once), and the tensor pipe is busy 32-40% of the time
-    against 78-82% for the two recomputing kernels.
-
+    The two consumers step through the same query tiles in lockstep (they share each
+    step's dS^T); a tile outside one consumer's own range is computed fully masked.
     Causal: a query tile that sees none of the pair's keys is never visited, so its
     contributors are a prefix of the pairs. Rows that see no key at all (Tq > Tk) are
     visited by nobody; the caller zeroes them.
@@ -415,9 +348,10 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS
     n_q = q_len // block_q
-    offset = t.seq_k - t.seq_q
+    offset = t.spec.offset
 
-    q_range = functools.partial(_causal_q_range, n_q=n_q, t=t)
+    def q_tiles(k_block):
+        return t.spec.q_range(k_block, block_q, block_kv, n_q)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
@@ -427,11 +361,12 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
         kv_ready, q_ready, do_ready, lse_ready, delta_ready = ready
         n_pairs = k_len // pair
-        n = lax.axis_index("kv_seq")
-        if t.causal:
-            n = n_pairs - 1 - n  # launch the pairs nearest the diagonal first (see write_dq)
+        # Causal: launch the pairs nearest the diagonal first (see write_dq).
+        n = common.pair_index(n_pairs, longest_first=t.spec.causal)
         cta_k = n * pair
-        cta_lo, _ = q_range(cta_k)
+        # Without a left window every pair's range ends at the last query tile (the
+        # semaphore order below relies on it).
+        cta_lo, _ = common.hull(q_tiles(n * COMPUTE_WGS), q_tiles(n * COMPUTE_WGS + 1))
         per_head = n_q - cta_lo  # query tiles visited per query head
         steps = group * per_head
         stages = t.stages
@@ -442,10 +377,10 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg < COMPUTE_WGS)
         def _consumer():
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
             k_smem, v_smem = k_smem2.at[pl.ds(wg * block_kv, block_kv)], v_smem2.at[pl.ds(wg * block_kv, block_kv)]
             k_start = cta_k + wg * block_kv
-            _, full = q_range(k_start)
+            tiles = q_tiles(n * COMPUTE_WGS + wg)
             at = (b, pl.ds(k_start, block_kv), hk)
             plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
@@ -477,8 +412,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                     # dQ[:, cols] = dS K[:, cols] over both key tiles of the pair.
                     plgpu.wgmma(dq_acc_ref, ds_smem.transpose((1, 0)), k_smem2.at[:, pl.ds(wg * dq_cols, dq_cols)])
 
-                dq_zeros = plgpu.layout_cast(jnp.full((block_q, dq_cols), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                dk, dq_part = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(dq_zeros)))
+                dk, dq_part = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(common.zeros((block_q, dq_cols)))))
                 plgpu.barrier_arrive(ds_done)
                 plgpu.barrier_arrive(free.at[slot])
 
@@ -490,12 +424,14 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 plgpu.barrier_arrive(dq_ready.at[buf])
                 return dk, dv
 
+            # Every step of the CTA's walk, masked outside this tile's fully visible range.
+            walk = BlockRange(cta_lo, tiles.full_lo, tiles.full_hi, n_q)
+
             def head(g, carry):
                 base = g * per_head - cta_lo  # step of query tile i is base + i
-                carry = loop(cta_lo, full, lambda i, c: step(base + i, i, c, masked=True), carry)
-                return loop(full, n_q, lambda i, c: step(base + i, i, c, masked=False), carry)
+                return common.visit(walk, lambda i, c, masked: step(base + i, i, c, masked), carry)
 
-            zero = plgpu.layout_cast(jnp.full((block_kv, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            zero = common.zeros((block_kv, head_dim))
             dk, dv = loop(0, group, head, (zero, zero))
             # The K tiles are read by both consumers' dQ products until the last step.
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(ds_done))
@@ -503,7 +439,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
 
         @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
             order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
 
             def load(s):
@@ -520,7 +456,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 h, i = tile_of(s)
                 plgpu.barrier_wait(dq_ready.at[buf])
                 turn = order.at[b, h, i]
-                if t.causal:
+                if t.spec.causal:
                     # Tile i's contributors are the pairs [0, last]. The pair that starts at
                     # tile i (nearest the diagonal) reaches it first, so they add from last
                     # down: each waits on a pair launched before it that is already ahead.
@@ -552,7 +488,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
                 write_dq(s)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref):
-        tiles = _smem_tiles()
+        tiles = common.smem_tiles()
         st = t.stages
         smem = (
             plgpu.SMEM((pair, head_dim), dtype, transforms=tiles),  # K in, dK out
@@ -578,14 +514,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: FwdTiling):
             smem, ready, sync, collective_axes="wg",
         )
 
-    grid, names = grid_spec(k_len // pair, kv_heads, batch, "kv_seq", t.tile_major)
-    return plgpu.kernel(
-        entry,
-        out_type=(k, v, jax.ShapeDtypeStruct(q.shape, jnp.float32)),
-        grid=grid,
-        grid_names=names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        kernel_name="flashjax_mosaic_dkv_dq",  # what profilers show
-        compiler_params=_params(),
+    return common.launch(
+        entry, out_type=(k, v, common.out_shape(q, jnp.float32)), pairs=k_len // pair, heads=kv_heads,
+        batch=batch, kernel_name="flashjax_mosaic_dkv_dq",
     )(q, k, v, do, lse2, delta)

@@ -16,12 +16,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.config import KernelConfig
-from flashjax.kernels import common
-from flashjax.kernels.common import Scorer, TileInputs
+from flashjax.kernels.triton import scoring
+from flashjax.kernels.triton.config import KernelConfig
+from flashjax.kernels.triton.scoring import Scorer
+from flashjax.params import Extras
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, scorer: Scorer, block_k: int, heads: int):
+def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: Scorer, block_k: int, heads: int):
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
     spec = scorer.spec
@@ -29,14 +30,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, score
     # most work, and starting them first balances the tail of the grid.
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)
     batch, head = pl.program_id(1), pl.program_id(2)
-    precision = common.dot_precision(q_ref.dtype)
+    precision = scoring.dot_precision(q_ref.dtype)
 
     q = q_ref[...]
     rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[5] if x.ranges is not None else None
-    q_seg = x.q_seg[...] if x.q_seg is not None else None
-    slope = x.slopes[head] if x.slopes is not None else None
-    drop_base = scorer.dropout_base(x.seed, batch, head, heads)
+    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
+    q_seg = x.q_segment_ids[...] if x.q_segment_ids is not None else None
+    slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
+    drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
 
     def step(k_block, carry, masked):
         acc, m, l = carry
@@ -45,17 +46,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, score
         k = k_ref[tile, :]
         v = v_ref[tile, :]
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-        qk = common.dot(q, k, trans_b=True, precision=precision)
-        bias = common.pair_tile(x.bias, (), None, tile) if x.bias is not None else None
+        qk = scoring.dot(q, k, trans_b=True, precision=precision)
+        bias = scoring.pair_tile(x.bias, (), None, tile) if x.bias is not None else None
         s, _ = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
         if masked:
             s = scorer.mask(
                 s, rows, cols, kv_length=kv_length,
-                q_seg=q_seg, kv_seg=x.kv_seg[tile] if x.kv_seg is not None else None,
-                dense=common.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
+                q_seg=q_seg, kv_seg=x.kv_segment_ids[tile] if x.kv_segment_ids is not None else None,
+                dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
             )
         keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
-        return common.online_softmax_step(acc, m, l, s, v, masked=masked, keep=keep, precision=precision)
+        return scoring.online_softmax_step(acc, m, l, s, v, masked=masked, keep=keep, precision=precision)
 
     carry = (
         jnp.zeros((block_q, head_dim), jnp.float32),
@@ -65,7 +66,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, score
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
     if x.ranges is not None:
         tiles = masks.intersect(tiles, x.ranges)
-    acc, m, l = common.visit_tiles(
+    acc, m, l = scoring.visit_tiles(
         tiles, step, carry,
         lower_boundary=spec.left is not None or x.ranges is not None,
         upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
@@ -73,7 +74,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, score
     # Rows that met no key (l = 0), and padded query rows, output 0 and report lse = -inf.
     empty = l == 0.0
     if x.ranges is not None:
-        empty = empty | (rows[:, 0] >= x.ranges[4])
+        empty = empty | (rows[:, 0] >= x.ranges[masks.Q_LENGTH])
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
     if scorer.dropout_rate:
         inv_l = inv_l * scorer.keep_scale
@@ -81,7 +82,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: TileInputs, o_ref, lse_ref, *, score
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def extra_specs(x: TileInputs, *, block_q: int, seq_k: int, num_q_blocks: int) -> TileInputs:
+def extra_specs(x: Extras, *, block_q: int, seq_k: int, num_q_blocks: int) -> Extras:
     """BlockSpecs of the optional inputs for a grid of (query tile, batch, head)."""
 
     def q_tile(i):
@@ -97,24 +98,24 @@ def extra_specs(x: TileInputs, *, block_q: int, seq_k: int, num_q_blocks: int) -
     def whole(a):
         return pl.BlockSpec(a.shape, lambda i, b, h: (0,) * a.ndim)
 
-    return TileInputs(
+    return Extras(
         ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda i, b, h: (b, q_tile(i), 0)),
-        q_seg=None if x.q_seg is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, q_tile(i))),
-        kv_seg=None if x.kv_seg is None else pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
+        q_segment_ids=None if x.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, q_tile(i))),
+        kv_segment_ids=None if x.kv_segment_ids is None else pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
         mask=None if x.mask is None else pair_spec(x.mask),
         bias=None if x.bias is None else pair_spec(x.bias),
-        slopes=None if x.slopes is None else whole(x.slopes),
-        seed=None if x.seed is None else whole(x.seed),
+        alibi_slopes=None if x.alibi_slopes is None else whole(x.alibi_slopes),
+        dropout_seed=None if x.dropout_seed is None else whole(x.dropout_seed),
     )
 
 
-def forward(q, k, v, x: TileInputs, *, scorer: Scorer, config: KernelConfig, interpret: bool = False):
+def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpret: bool = False):
     """Runs the forward kernel on tile-aligned inputs.
 
     Args:
       q: [B, Tq, H, D] with Tq a multiple of config.block_q and D a power of two.
       k, v: [B, Tk, Hkv, D] with Tk a multiple of config.block_k.
-      x: optional inputs (TileInputs of arrays), already padded to the tiles.
+      x: optional inputs, already padded to the tiles (lengths folded into `ranges`).
       scorer: the static scoring (mask spec in true lengths, scale, softcap, dropout).
 
     Returns:

@@ -14,24 +14,50 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from flashjax import masks
-from flashjax.config import Config
-from flashjax.kernels import common, triton_bwd, triton_fwd
-from flashjax.kernels.common import Scorer, TileInputs
-from flashjax.params import AttentionParams, Extras
+from flashjax import backends, masks
+from flashjax.kernels import common
+from flashjax.kernels.triton import bwd as triton_bwd, fwd as triton_fwd
+from flashjax.kernels.triton.config import MAX_HEAD_DIM, TritonConfig
+from flashjax.kernels.triton.scoring import Scorer
+from flashjax.params import AttentionParams, Call, Extras
+
+# Without a GPU the kernels run in Pallas interpret mode: exact, but slow. `auto` uses
+# them up to this many score entries (B * H * Tq * Tk) and the reference beyond.
+INTERPRET_LIMIT = 1 << 22
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def supports(call: Call) -> list[str]:
+    reasons = []
+    if jnp.dtype(call.dtype).name not in DTYPES:
+        reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
+    if call.head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {call.head_dim} > {MAX_HEAD_DIM}")
+    return reasons
+
+
+def declines(call: Call) -> list[str]:
+    if call.platform != "gpu" and call.scores > INTERPRET_LIMIT:
+        return [f"no GPU: interpret mode is used up to {INTERPRET_LIMIT} score entries (B*H*Tq*Tk), "
+                f"this call has {call.scores}"]
+    return []
+
+
+def default_config(call: Call) -> TritonConfig:
+    return TritonConfig.default(call.head_dim, call.dtype)
 
 
 class _Layout(NamedTuple):
-    config: Config
+    config: TritonConfig
     q_len: int  # padded lengths
     k_len: int
     head_dim: int  # padded head dim
 
 
-def _layout(q, k, extras: Extras, params: AttentionParams) -> _Layout:
+def _layout(q, k, extras: Extras, config: TritonConfig) -> _Layout:
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     padded_dim = max(16, 1 << (head_dim - 1).bit_length())
-    config = params.config.fit(seq_q, seq_k)
+    config = config.fit(seq_q, seq_k)
     # The forward and dQ kernels stream K and V tiles (and bias/mask tiles) through
     # shared memory, one set per pipeline stage; keep them within the budget.
     pair_bytes = sum(jnp.dtype(a.dtype).itemsize for a in (extras.bias, extras.mask) if a is not None)
@@ -75,8 +101,8 @@ def _scorer(params: AttentionParams, seq_q: int, seq_k: int) -> Scorer:
     )
 
 
-def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: int, *, by_key_block: bool) -> TileInputs:
-    """Pads the optional inputs to the tiles and derives the per-tile ranges."""
+def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: int, *, by_key_block: bool) -> Extras:
+    """Pads the optional inputs to the tiles and folds lengths and segments into per-tile ranges."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     q_seg = kv_seg = None
     if extras.q_segment_ids is not None:
@@ -99,22 +125,22 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
         a = _pad_axis(a, 2, layout.q_len, value=value, broadcast=True)
         return _pad_axis(a, 3, layout.k_len, value=value, broadcast=True)
 
-    return TileInputs(
+    return Extras(
         ranges=ranges,
-        q_seg=q_seg,
-        kv_seg=kv_seg,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
         # Triton has no boolean memory type worth loading: int8, 0 = masked.
         mask=pad_pair(None if extras.mask is None else extras.mask.astype(jnp.int8), 0),
         bias=pad_pair(extras.bias, 0),
-        slopes=None if extras.alibi_slopes is None else extras.alibi_slopes.astype(jnp.float32),
-        seed=extras.dropout_seed,
+        alibi_slopes=None if extras.alibi_slopes is None else extras.alibi_slopes.astype(jnp.float32),
+        dropout_seed=extras.dropout_seed,
     )
 
 
-def forward(q, k, v, extras: Extras, params: AttentionParams):
+def forward(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for empty rows)."""
     seq_q, head_dim = q.shape[1], q.shape[3]
-    layout = _layout(q, k, extras, params)
+    layout = _layout(q, k, extras, config)
     fwd = layout.config.fwd
     o, lse2 = triton_fwd.forward(
         _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout),
@@ -124,13 +150,13 @@ def forward(q, k, v, extras: Extras, params: AttentionParams):
     return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
 
 
-def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams):
+def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: TritonConfig):
     """Returns (dq, dk, dv, dbias) given the forward's o and lse and the cotangents of both.
 
     dbias is None without a bias; otherwise float32 in the bias's (broadcast) shape.
     """
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    layout = _layout(q, k, extras, params)
+    layout = _layout(q, k, extras, config)
     config = layout.config
     lse2, delta = common.backward_rows(o, do, lse, dlse, layout.q_len)
     padded = (
@@ -148,3 +174,15 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams)
         dbias = triton_bwd.bias_grad(*padded, lse2, delta, x_dq, scorer=scorer, config=config.dq, interpret=params.interpret)
         dbias = dbias[:, :, : extras.bias.shape[2], : extras.bias.shape[3]]
     return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], dbias
+
+
+BACKEND = backends.Backend(
+    name="triton",
+    description="Pallas Triton kernels: any CUDA GPU, interpret mode without one",
+    config_type=TritonConfig,
+    supports=supports,
+    declines=declines,
+    default_config=default_config,
+    forward=forward,
+    backward=backward,
+)

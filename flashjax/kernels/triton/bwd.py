@@ -26,10 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.config import KernelConfig
-from flashjax.kernels import common
-from flashjax.kernels.common import Scorer, TileInputs
-from flashjax.kernels.triton_fwd import extra_specs
+from flashjax.kernels.triton import scoring
+from flashjax.kernels.triton.config import KernelConfig
+from flashjax.kernels.triton.fwd import extra_specs
+from flashjax.kernels.triton.scoring import Scorer
+from flashjax.params import Extras
 
 
 def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,
@@ -43,18 +44,18 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     without a register transpose; rows must be [1, bq] and cols [bk, 1].
     """
     if transposed:
-        qk = common.dot(k, q, trans_b=True, precision=precision)
+        qk = scoring.dot(k, q, trans_b=True, precision=precision)
         lse, delta = lse[None, :], delta[None, :]
         bias = None if bias is None else bias.T
         dense = None if dense is None else dense.T
     else:
-        qk = common.dot(q, k, trans_b=True, precision=precision)
+        qk = scoring.dot(q, k, trans_b=True, precision=precision)
         lse, delta = lse[:, None], delta[:, None]
     s, t = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
     if masked:
         s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
     p = jnp.exp2(s - lse)
-    dp = common.dot(v, do, trans_b=True, precision=precision) if transposed else common.dot(do, v, trans_b=True, precision=precision)
+    dp = scoring.dot(v, do, trans_b=True, precision=precision) if transposed else scoring.dot(do, v, trans_b=True, precision=precision)
     if drop_base is not None:
         keep = scorer.keep(drop_base, rows, cols)
         p_dropped = jnp.where(keep, p * scorer.keep_scale, 0.0)
@@ -65,21 +66,21 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     return p_dropped, ds, t
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dk_ref, dv_ref, *,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_ref, dv_ref, *,
                 scorer: Scorer, block_q: int, padded_seq_k: int, heads: int):
     block_k, head_dim = k_ref.shape
     seq_q, group = q_ref.shape[0], q_ref.shape[1]
     num_q_blocks = seq_q // block_q
     spec = scorer.spec
     k_block, batch, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    precision = common.dot_precision(q_ref.dtype)
+    precision = scoring.dot_precision(q_ref.dtype)
 
     k = k_ref[...]
     v = v_ref[...]
     # Tiles are computed transposed here: [block_k, block_q].
     cols = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[5] if x.ranges is not None else None
-    kv_seg = x.kv_seg[...] if x.kv_seg is not None else None
+    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
+    kv_seg = x.kv_segment_ids[...] if x.kv_segment_ids is not None else None
 
     tiles = spec.q_range(k_block, block_q, block_k, num_q_blocks)
     if x.ranges is not None:
@@ -87,8 +88,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, 
 
     def over_head(g, carry):
         head = kv_head * group + g
-        slope = x.slopes[head] if x.slopes is not None else None
-        drop_base = scorer.dropout_base(x.seed, batch, head, heads)
+        slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
+        drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
 
         def step(q_block, carry, masked):
             dk, dv = carry
@@ -100,18 +101,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, 
             p, ds, t = _tile_grad_logits(
                 scorer, q, k, v, do, lse_ref[g, tile], delta_ref[g, tile], rows, cols,
                 masked=masked, precision=precision, transposed=True,
-                bias=common.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
+                bias=scoring.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
                 slope=slope, kv_length=kv_length,
-                q_seg=x.q_seg[tile] if x.q_seg is not None else None, kv_seg=kv_seg,
-                dense=common.pair_tile(x.mask, (g,), tile, None) if x.mask is not None else None,
+                q_seg=x.q_segment_ids[tile] if x.q_segment_ids is not None else None, kv_seg=kv_seg,
+                dense=scoring.pair_tile(x.mask, (g,), tile, None) if x.mask is not None else None,
                 drop_base=drop_base,
             )
-            dv = dv + common.dot(p.astype(do.dtype), do, precision=precision)
+            dv = dv + scoring.dot(p.astype(do.dtype), do, precision=precision)
             ds = scorer.logit_grad(ds, t)
-            dk = dk + common.dot(ds.astype(q.dtype), q, precision=precision)
+            dk = dk + scoring.dot(ds.astype(q.dtype), q, precision=precision)
             return dk, dv
 
-        return common.visit_tiles(
+        return scoring.visit_tiles(
             tiles, step, carry,
             lower_boundary=spec.right is not None or x.ranges is not None,
             upper_boundary=spec.left is not None or spec.seq_k != padded_seq_k or x.ranges is not None,
@@ -127,24 +128,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_ref, *,
                scorer: Scorer, block_k: int, heads: int):
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
     spec = scorer.spec
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy causal tiles first
     batch, head = pl.program_id(1), pl.program_id(2)
-    precision = common.dot_precision(q_ref.dtype)
+    precision = scoring.dot_precision(q_ref.dtype)
 
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[5] if x.ranges is not None else None
-    q_seg = x.q_seg[...] if x.q_seg is not None else None
-    slope = x.slopes[head] if x.slopes is not None else None
-    drop_base = scorer.dropout_base(x.seed, batch, head, heads)
+    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
+    q_seg = x.q_segment_ids[...] if x.q_segment_ids is not None else None
+    slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
+    drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
 
     def step(k_block, dq, masked):
         start = pl.multiple_of(k_block * block_k, block_k)
@@ -154,19 +155,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, d
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         _, ds, t = _tile_grad_logits(
             scorer, q, k, v, do, lse, delta, rows, cols, masked=masked, precision=precision,
-            bias=common.pair_tile(x.bias, (), None, tile) if x.bias is not None else None,
+            bias=scoring.pair_tile(x.bias, (), None, tile) if x.bias is not None else None,
             slope=slope, kv_length=kv_length, q_seg=q_seg,
-            kv_seg=x.kv_seg[tile] if x.kv_seg is not None else None,
-            dense=common.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
+            kv_seg=x.kv_segment_ids[tile] if x.kv_segment_ids is not None else None,
+            dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
             drop_base=drop_base,
         )
         ds = scorer.logit_grad(ds, t)
-        return dq + common.dot(ds.astype(k.dtype), k, precision=precision)
+        return dq + scoring.dot(ds.astype(k.dtype), k, precision=precision)
 
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
     if x.ranges is not None:
         tiles = masks.intersect(tiles, x.ranges)
-    dq = common.visit_tiles(
+    dq = scoring.visit_tiles(
         tiles, step, jnp.zeros((block_q, head_dim), jnp.float32),
         lower_boundary=spec.left is not None or x.ranges is not None,
         upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
@@ -174,13 +175,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, d
     dq_ref[...] = (dq * scorer.scale).astype(dq_ref.dtype)
 
 
-def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs, dbias_ref, *,
+def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dbias_ref, *,
                   scorer: Scorer, block_q: int, block_k: int, group: int):
     """dS summed over every (batch, head, tile) that one tile of the broadcast bias feeds."""
     batch, seq_q, heads, _ = q_ref.shape
     seq_k = k_ref.shape[1]
     bias_batch, bias_heads, bias_q, bias_k = x.bias.shape
-    precision = common.dot_precision(q_ref.dtype)
+    precision = scoring.dot_precision(q_ref.dtype)
     # What this program owns, and the broadcast axes it loops over.
     own_q, own_k, own_bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     loops = (
@@ -209,13 +210,13 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: TileInputs
             scorer, q_ref[b, q_tile, h, :], k_ref[b, k_tile, kv_head, :], v_ref[b, k_tile, kv_head, :],
             do_ref[b, q_tile, h, :], lse_ref[b, h, q_tile], delta_ref[b, h, q_tile], rows, cols,
             masked=True, precision=precision,
-            bias=common.pair_tile(x.bias, (b, h), q_tile, k_tile),
-            slope=x.slopes[h] if x.slopes is not None else None,
-            kv_length=x.ranges[b, qi, 5] if x.ranges is not None else None,
-            q_seg=x.q_seg[b, q_tile] if x.q_seg is not None else None,
-            kv_seg=x.kv_seg[b, k_tile] if x.kv_seg is not None else None,
-            dense=common.pair_tile(x.mask, (b, h), q_tile, k_tile) if x.mask is not None else None,
-            drop_base=scorer.dropout_base(x.seed, b, h, heads),
+            bias=scoring.pair_tile(x.bias, (b, h), q_tile, k_tile),
+            slope=x.alibi_slopes[h] if x.alibi_slopes is not None else None,
+            kv_length=x.ranges[b, qi, masks.KV_LENGTH] if x.ranges is not None else None,
+            q_seg=x.q_segment_ids[b, q_tile] if x.q_segment_ids is not None else None,
+            kv_seg=x.kv_segment_ids[b, k_tile] if x.kv_segment_ids is not None else None,
+            dense=scoring.pair_tile(x.mask, (b, h), q_tile, k_tile) if x.mask is not None else None,
+            drop_base=scorer.dropout_base(x.dropout_seed, b, h, heads),
         )
         if bias_q == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)
@@ -234,7 +235,7 @@ def divmod_(a, b: int):
     return lax.div(a, b), lax.rem(a, b)
 
 
-def _group_extra_specs(x: TileInputs, *, block_k: int, seq_q: int, group: int) -> TileInputs:
+def _group_extra_specs(x: Extras, *, block_k: int, seq_q: int, group: int) -> Extras:
     """BlockSpecs of the optional inputs for the dK/dV grid of (key tile, batch, kv_head)."""
 
     def pair_spec(a):
@@ -247,14 +248,14 @@ def _group_extra_specs(x: TileInputs, *, block_k: int, seq_q: int, group: int) -
     def whole(a):
         return pl.BlockSpec(a.shape, lambda j, b, g: (0,) * a.ndim)
 
-    return TileInputs(
+    return Extras(
         ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda j, b, g: (b, j, 0)),
-        q_seg=None if x.q_seg is None else pl.BlockSpec((None, seq_q), lambda j, b, g: (b, 0)),
-        kv_seg=None if x.kv_seg is None else pl.BlockSpec((None, block_k), lambda j, b, g: (b, j)),
+        q_segment_ids=None if x.q_segment_ids is None else pl.BlockSpec((None, seq_q), lambda j, b, g: (b, 0)),
+        kv_segment_ids=None if x.kv_segment_ids is None else pl.BlockSpec((None, block_k), lambda j, b, g: (b, j)),
         mask=None if x.mask is None else pair_spec(x.mask),
         bias=None if x.bias is None else pair_spec(x.bias),
-        slopes=None if x.slopes is None else whole(x.slopes),
-        seed=None if x.seed is None else whole(x.seed),
+        alibi_slopes=None if x.alibi_slopes is None else whole(x.alibi_slopes),
+        dropout_seed=None if x.dropout_seed is None else whole(x.dropout_seed),
     )
 
 
@@ -262,7 +263,7 @@ def _whole_specs(arrays):
     return jax.tree.map(lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim), arrays)
 
 
-def backward(q, k, v, do, lse2, delta, x_dkv: TileInputs, x_dq: TileInputs, *, scorer: Scorer,
+def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: Scorer,
              dkv_config: KernelConfig, dq_config: KernelConfig, interpret: bool = False):
     """Runs the dK/dV and dQ kernels on tile-aligned inputs.
 
@@ -317,7 +318,7 @@ def backward(q, k, v, do, lse2, delta, x_dkv: TileInputs, x_dq: TileInputs, *, s
     return dq, dk, dv
 
 
-def bias_grad(q, k, v, do, lse2, delta, x_dq: TileInputs, *, scorer: Scorer, config: KernelConfig,
+def bias_grad(q, k, v, do, lse2, delta, x_dq: Extras, *, scorer: Scorer, config: KernelConfig,
               interpret: bool = False):
     """dBias [Bb, Hb, Tqb, Tkb] (float32) for a bias broadcast along its size-1 axes.
 

@@ -1,0 +1,183 @@
+"""The registry of attention backends, and the one place where a call's backend is chosen.
+
+A backend is a module under `flashjax.kernels` that builds a `Backend`: its config
+type and tuned defaults, what it cannot do (`supports`), and its forward and
+backward. The registry orders them per platform; ``backend="auto"`` takes the first
+that supports the call, a backend named by the caller is used or refused with its
+reasons, and `Choice` says which ran and why the ones before it did not.
+
+The backward may run on a different backend than the forward (the Hopper kernels
+have no head dim 256 backward): it runs on the forward's backend when that one
+supports it, else on the first backend of the platform's order that does.
+
+Adding a backend: a module with a ``BACKEND`` object, one line in `_MODULES`, and
+its name in the platform orders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import jax
+
+from flashjax.params import Call
+
+__all__ = ["Backend", "Choice", "choose", "get", "names", "describe_device"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of attention.
+
+    Attributes:
+      name: what ``backend=`` calls it.
+      description: one line for users.
+      config_type: the type of its ``config=`` (None: it takes none).
+      supports: ``supports(call) -> list[str]``: why it cannot run the call's forward
+        (empty when it can).
+      supports_backward: the same for the backward (in addition to `supports`).
+      declines: ``declines(call) -> list[str]``: why ``auto`` passes it by although it
+        could run the call (too slow there); a backend named by the caller ignores it.
+      default_config: ``default_config(call)``: its tuned config for the call.
+      forward: ``forward(q, k, v, extras, params, config) -> (o, lse)``.
+      backward: ``backward(q, k, v, o, lse, do, dlse, extras, params, config) -> (dq, dk, dv, dbias)``,
+        given the forward's o and lse (or, in ring attention, a merge of several calls').
+      differentiable: its forward is plain JAX, differentiated by JAX when it runs a
+        whole call (exact float32 gradients, no recomputation from a rounded o).
+    """
+
+    name: str
+    description: str
+    config_type: type | None
+    supports: Callable[[Call], list[str]]
+    forward: Callable
+    backward: Callable
+    default_config: Callable[[Call], Any] = lambda call: None
+    supports_backward: Callable[[Call], list[str]] = lambda call: []
+    declines: Callable[[Call], list[str]] = lambda call: []
+    differentiable: bool = False
+
+
+# name -> module that defines BACKEND.
+_MODULES = {
+    "mosaic": "flashjax.kernels.mosaic",
+    "triton": "flashjax.kernels.triton",
+    "xla": "flashjax.kernels.xla",
+}
+# The order `auto` tries them in, per JAX platform (others: "default").
+_ORDER = {
+    "gpu": ("mosaic", "triton", "xla"),
+    "default": ("triton", "xla"),
+}
+
+
+def names() -> tuple[str, ...]:
+    """Every registered backend's name."""
+    return tuple(_MODULES)
+
+
+def get(name: str) -> Backend:
+    """The backend registered as `name`."""
+    if name not in _MODULES:
+        raise ValueError(f"backend must be 'auto' or one of {names()}, got {name!r}.")
+    return importlib.import_module(_MODULES[name]).BACKEND
+
+
+def order(platform: str) -> tuple[str, ...]:
+    return _ORDER.get(platform, _ORDER["default"])
+
+
+def describe_device() -> tuple[str, str]:
+    """(platform, compute capability) of the default device: what backends are chosen for."""
+    platform = jax.default_backend()
+    if platform != "gpu":
+        return platform, ""
+    return platform, str(getattr(jax.devices()[0], "compute_capability", ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backends a call runs on, and why the ones `auto` tried first were passed by.
+
+    Attributes:
+      backend: runs the forward.
+      backward_backend: runs the backward.
+      config: the forward backend's config; backward_config: the backward's.
+      passed: ((backend, reasons), ...) for each backend ahead of `backend` in the order
+        (or the named backend's own reasons its backward moved).
+      backward_passed: the same for the backward.
+    """
+
+    backend: str
+    backward_backend: str
+    config: Any
+    backward_config: Any
+    passed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    backward_passed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"forward: {self.backend}"]
+        lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.passed]
+        lines.append(f"backward: {self.backward_backend}")
+        lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.backward_passed]
+        return "\n".join(lines)
+
+
+def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
+    """Picks the backends of a call.
+
+    Args:
+      call: the call's description.
+      backend: "auto" or a registered name.
+      config: None, or a backend's config; with "auto" it selects the backend it
+        belongs to.
+
+    Raises:
+      ValueError: unknown backend name, or a config of another backend than the named one.
+      NotImplementedError: the named backend (or the one `config` implies) cannot run
+        the call; the message lists its reasons.
+    """
+    if config is not None:
+        owner = next((n for n in names() if get(n).config_type is not None and isinstance(config, get(n).config_type)), None)
+        if owner is None:
+            types = ", ".join(get(n).config_type.__name__ for n in names() if get(n).config_type is not None)
+            raise ValueError(f"config must be one of {types} or None, got {type(config).__name__}.")
+        if backend not in ("auto", owner):
+            raise ValueError(f"config is a {type(config).__name__}, the config of backend {owner!r}, not of {backend!r}.")
+        backend = owner
+    if backend != "auto":
+        chosen = get(backend)
+        reasons = chosen.supports(call)
+        if reasons:
+            raise NotImplementedError(
+                f"backend={backend!r} ({chosen.description}) cannot run this call: {'; '.join(reasons)}. "
+                "Use backend='auto' to take the first backend that can."
+            )
+        passed = ()
+    else:
+        chosen, passed = _first(call, order(call.platform), lambda b: b.supports(call) + b.declines(call))
+    config = config if config is not None else chosen.default_config(call)
+
+    own = chosen.supports_backward(call)
+    if not own:
+        return Choice(chosen.name, chosen.name, config, config, passed, ())
+    candidates = [n for n in order(call.platform) if n != chosen.name]
+    backward, backward_passed = _first(
+        call, candidates, lambda b: b.supports(call) + b.supports_backward(call) + b.declines(call)
+    )
+    return Choice(chosen.name, backward.name, config, backward.default_config(call), passed,
+                  ((chosen.name, tuple(own)),) + backward_passed)
+
+
+def _first(call: Call, candidates, reasons_of):
+    passed = []
+    for name in candidates:
+        backend = get(name)
+        reasons = reasons_of(backend)
+        if not reasons:
+            return backend, tuple(passed)
+        passed.append((name, tuple(reasons)))
+    details = "; ".join(f"{name}: {', '.join(r)}" for name, r in passed)
+    raise NotImplementedError(f"no backend can run this call ({details}).")

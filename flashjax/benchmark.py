@@ -1,0 +1,261 @@
+"""The benchmark harness: problems, FLOP counts, checks against the reference, timing and results files.
+
+Every benchmark in ``benchmarks/``, the ``flashjax demo`` / ``flashjax bench`` commands
+and the tile search (`flashjax.tuning`) measure with this module, so they all follow
+one protocol:
+
+* **Problems**: bfloat16, ``tokens`` tokens per batch (16384 by default, so B = 16384 // T),
+  [batch, seq, heads, head_dim] inputs drawn from a standard normal.
+* **FLOPs**: ``4 * B * H * Tq * Tk * D`` for the forward (two matrix products of
+  ``2 * Tq * Tk * D``), halved when causal, and 3.5 times that for forward+backward
+  (the backward counts 2.5 forwards: five products where the forward has two).
+  Forward+backward is ``jax.grad`` of ``sum(out * cotangent)`` w.r.t. q, k, v.
+* **Checks**: each compiled program's result is compared with the float32 reference
+  (`flashjax.reference`) before it is timed: the output, or dq for forward+backward,
+  on the last `CHECK_ROWS` query rows of batch row 0 (rows of bottom-right aligned
+  causal attention depend only on their own query, so a slice of the real problem is
+  an exact check). A relative (Frobenius) error of `TOLERANCE` or more marks the cell
+  "mismatch" and it is not timed.
+* **Timing**: two warm-up calls, then the median of >= 10 repetitions of a few
+  back-to-back calls (more for short calls, to hide launch gaps) ended by
+  ``block_until_ready``.
+* **Results**: JSON records per cell with the device name, merged into a file per
+  device under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flashjax.tuning import device_slug
+
+__all__ = [
+    "Cell", "flops", "median_time", "rel_err", "make_inputs", "timed_fn", "compile_cell", "Checker",
+    "record", "load_results", "save_results", "TOKENS", "TOLERANCE", "CHECK_ROWS",
+]
+
+TOKENS = 16384
+CHECK_ROWS = 256  # query rows of batch row 0 compared with the reference
+TOLERANCE = 2e-2  # relative (Frobenius) error allowed for bf16 against the float32 reference
+MODES = ("fwd", "fwdbwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One measurement: a problem (config, T, causal), a mode and an implementation."""
+
+    config: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    causal: bool
+    mode: str
+    impl: str
+    tokens: int = TOKENS
+
+    @property
+    def batch(self) -> int:
+        return max(1, self.tokens // self.seq)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.config, self.seq, self.causal, self.mode, self.impl)
+
+    def flops(self) -> float:
+        return flops(self.batch, self.heads, self.seq, self.seq, self.head_dim, self.causal, self.mode)
+
+
+def cell_key(config: str, seq: int, causal: bool, mode: str, impl: str) -> str:
+    """The JSON key of a cell, e.g. ``d128/T4096/causal/fwdbwd/flashjax``."""
+    return f"{config}/T{seq}/{'causal' if causal else 'full'}/{mode}/{impl}"
+
+
+def flops(batch, heads, seq_q, seq_k, head_dim, causal, mode="fwd") -> float:
+    """4*B*H*Tq*Tk*D forward, halved if causal; x3.5 for forward+backward."""
+    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim / (2.0 if causal else 1.0)
+    return fwd * (3.5 if mode == "fwdbwd" else 1.0)
+
+
+def inner_calls(seconds_per_call: float) -> int:
+    """Back-to-back calls per repetition: enough to hide the launch gap of short calls."""
+    return 5 if seconds_per_call < 1e-3 else 3 if seconds_per_call < 1e-2 else 2 if seconds_per_call < 5e-2 else 1
+
+
+def median_time(call, sync, *, reps: int = 10, warmup: int = 2):
+    """Median seconds per call over `reps` repetitions of a few back-to-back calls + `sync`.
+
+    `call()` launches the work and returns what `sync` waits on. Returns (median, times, inner).
+    """
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        sync(call())
+    per_call = (time.perf_counter() - t0) / max(warmup, 1)
+    inner = inner_calls(per_call)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = call()
+        sync(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return float(np.median(times)), times, inner
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of `a` against `b`, in float64 (nan if either is not finite)."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:300]
+
+
+def is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def make_inputs(cell: Cell, seed: int = 0, dtype=None):
+    """(q, k, v, do) for the cell's problem (bf16 unless `dtype`); do is the random cotangent of fwd+bwd."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    b, t, d = cell.batch, cell.seq, cell.head_dim
+    q = jax.random.normal(ks[0], (b, t, cell.heads, d), dtype)
+    k = jax.random.normal(ks[1], (b, t, cell.kv_heads, d), dtype)
+    v = jax.random.normal(ks[2], (b, t, cell.kv_heads, d), dtype)
+    do = jax.random.normal(ks[3], (b, t, cell.heads, d), dtype)
+    return q, k, v, do
+
+
+def timed_fn(cell: Cell, fn):
+    """What is timed: ``fn(q, k, v)``, or grad of sum(out * do) w.r.t. (q, k, v); both take (q, k, v, do)."""
+    import jax
+    import jax.numpy as jnp
+
+    if cell.mode == "fwd":
+        return lambda q, k, v, do: fn(q, k, v)
+
+    def loss(q, k, v, do):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def compile_cell(cell: Cell, fn, args):
+    """(compiled, temp_bytes): `timed_fn` compiled once, for the memory analysis and the timing."""
+    import jax
+
+    compiled = jax.jit(timed_fn(cell, fn)).lower(*args).compile()
+    temp = None
+    try:
+        analysis = compiled.memory_analysis()
+        temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
+    except Exception:  # some backends have no memory analysis: the cell still times
+        pass
+    return compiled, temp
+
+
+class Checker:
+    """The float32 reference on the last CHECK_ROWS query rows of batch row 0, per problem."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def expected(self, cell: Cell, q, k, v, do):
+        import jax
+        import jax.numpy as jnp
+
+        from flashjax import reference
+
+        key = (cell.config, cell.seq, cell.causal, cell.mode, cell.tokens)
+        if key not in self._cache:
+            rows = min(CHECK_ROWS, cell.seq)
+            kv_heads = min(cell.kv_heads, 2)
+            heads = kv_heads * (cell.heads // cell.kv_heads)
+            f32 = lambda x: x.astype(jnp.float32)
+            qs, dos = f32(q[:1, -rows:, :heads]), f32(do[:1, -rows:, :heads])
+            ks, vs = f32(k[:1, :, :kv_heads]), f32(v[:1, :, :kv_heads])
+
+            # Causal attention is aligned bottom-right: the last `rows` queries against
+            # all keys see exactly the keys they see in the full problem.
+            def ref(q_):
+                return reference.attention(q_, ks, vs, causal=cell.causal, scale=cell.scale)
+
+            out, vjp = jax.vjp(ref, qs)
+            dq = vjp(dos)[0] if cell.mode == "fwdbwd" else None
+            self._cache = {key: (rows, heads, np.asarray(out), None if dq is None else np.asarray(dq))}
+        return self._cache[key]
+
+    def check(self, cell: Cell, result, q, k, v, do) -> dict:
+        """Relative errors {name: err} of the cell's output (fwd) or dq (fwd+bwd)."""
+        rows, heads, out, dq = self.expected(cell, q, k, v, do)
+        if cell.mode == "fwd":
+            return {"out": rel_err(result[:1, -rows:, :heads], out)}
+        return {"dq": rel_err(result[0][:1, -rows:, :heads], dq)}
+
+
+# ---- results files --------------------------------------------------------------------------
+def results_path(results_dir: Path, out: str | None, device: str, prefix: str = "") -> Path:
+    """``out`` (a .json file or a directory) or ``results_dir``, with ``<prefix><device slug>.json``."""
+    name = f"{prefix}{device_slug(device)}.json"
+    if out is None:
+        return Path(results_dir) / name
+    path = Path(out)
+    return path if path.suffix == ".json" else path / name
+
+
+def load_results(path: Path) -> dict:
+    if Path(path).exists():
+        with open(path) as f:
+            return json.load(f)
+    return {"cells": {}}
+
+
+def save_results(path: Path, results: dict):
+    """Writes atomically (a sweep interrupted mid-write keeps the previous file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def record(cell: Cell, status: str, **fields) -> dict:
+    """The JSON record of one cell (with TFLOP/s when it has a median time)."""
+    entry = dict(
+        config=cell.config, heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
+        batch=cell.batch, seq=cell.seq, causal=cell.causal, mode=cell.mode, impl=cell.impl,
+        status=status, flops=cell.flops(), time=datetime.datetime.now().isoformat(timespec="seconds"),
+    )
+    entry.update(fields)
+    if entry.get("median_ms"):
+        entry["tflops"] = cell.flops() / (entry["median_ms"] * 1e-3) / 1e12
+    return entry
+
+
+def device_name() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind

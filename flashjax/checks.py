@@ -1,0 +1,226 @@
+"""Argument checks shared by `flash_attention`, `ring_attention` and `sharded_flash_attention`.
+
+Each raises ValueError with a message that names the argument and says what to change.
+They run before anything is traced.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+__all__ = [
+    "check_qkv", "check_scale", "check_window", "check_static_number", "check_dropout",
+    "check_segment_ids", "check_lengths", "check_slopes", "check_pair_array", "mesh_axis_names", "check_mesh_axes",
+]
+
+
+def _shape_str(q, k, v) -> str:
+    return f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+
+
+def check_qkv(q, k, v):
+    """q [B, Tq, H, D], k and v [B, Tk, Hkv, D], one floating (or complex) dtype, Hkv divides H."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {tuple(x.shape)} "
+                f"({_shape_str(q, k, v)}). Use jax.vmap for extra batch dimensions."
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {_shape_str(q, k, v)}.")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {_shape_str(q, k, v)}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {_shape_str(q, k, v)}.")
+    if min(q.shape[1], k.shape[1]) < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got {_shape_str(q, k, v)}.")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"the number of query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}); "
+            f"got {_shape_str(q, k, v)}."
+        )
+    if q.shape[3] < 1:
+        raise ValueError(f"head_dim must be >= 1, got {q.shape[3]} ({_shape_str(q, k, v)}).")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        raise ValueError(f"q, k and v must share one dtype, got q:{q.dtype}, k:{k.dtype}, v:{v.dtype}.")
+    (dtype,) = dtypes
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)):
+        raise ValueError(f"unsupported dtype {dtype} for q, k, v; use a floating dtype (bfloat16, float16, float32).")
+
+
+def check_static_number(name: str, value, *, what: str = "a number"):
+    """`value` as a Python float; a JAX or NumPy array (even a scalar) or a bool is refused:
+    these options shape the compiled kernels, so they must be known when tracing."""
+    if isinstance(value, (bool, jnp.bool_)) or not isinstance(value, numbers.Real) or isinstance(value, jax.Array):
+        kind = type(value).__name__
+        raise ValueError(
+            f"{name} must be {what} given as a static Python number (it is compiled into the kernels), "
+            f"got {value!r} of type {kind}." + (" Use float(...) on a concrete value." if hasattr(value, "shape") else "")
+        )
+    return float(value)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The logit scale: 1 / sqrt(head_dim) by default, else a finite Python number > 0."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = check_static_number("scale", scale, what="a positive number")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}.")
+    return scale
+
+
+def check_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    softcap = check_static_number("softcap", softcap, what="a finite number > 0 or None")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number > 0 or None (None: no cap), got {softcap}.")
+    return softcap
+
+
+def check_window(window):
+    """(left, right) with ints >= 0 or None per side; None when both sides are unbounded."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}.")
+    checked = []
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            checked.append(None)
+        elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, jnp.bool_)) and value >= 0:
+            checked.append(int(value))
+        else:
+            raise ValueError(f"window {side} must be an int >= 0 or None (a static Python int), got {value!r}.")
+    return tuple(checked) if checked != [None, None] else None
+
+
+def check_dropout(dropout_rate, dropout_rng) -> float:
+    """The rate as a Python float in [0, 1); with a rate > 0, `dropout_rng` must be a PRNG key."""
+    rate = check_static_number("dropout_rate", dropout_rate, what="a number in [0, 1)")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}.")
+    if rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("dropout_rate > 0 needs a dropout_rng (a jax.random key).")
+        dtype = getattr(dropout_rng, "dtype", None)
+        shape = tuple(getattr(dropout_rng, "shape", (None,)))
+        typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+        raw = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key) and dtype == jnp.uint32 and shape == (2,)
+        if not (typed or raw):
+            raise ValueError(
+                "dropout_rng must be one jax.random key (jax.random.key(...) or a uint32[2] "
+                f"jax.random.PRNGKey(...)), got {dropout_rng!r}."
+            )
+    return rate
+
+
+def check_pair_array(name: str, x, shape: tuple[int, ...], *, floating: bool):
+    """A bias or mask: broadcastable to [B, H, Tq, Tk]; returned 4-D with size-1 broadcast axes."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an array broadcastable to {shape}, got {type(x).__name__}.")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims [batch, heads, q_len, kv_len], got shape {tuple(x.shape)}.")
+    full = (1,) * (4 - x.ndim) + tuple(x.shape)
+    if any(d not in (1, s) for d, s in zip(full, shape)):
+        raise ValueError(f"{name} of shape {tuple(x.shape)} is not broadcastable to [batch, heads, q_len, kv_len] = {shape}.")
+    if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}.")
+    if not floating and x.dtype != jnp.bool_:
+        raise ValueError(f"{name} must be a boolean array (True = attend), got dtype {x.dtype}.")
+    return x.reshape(full)
+
+
+def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
+    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from one array or a pair; (None, None) without ids."""
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError("segment_ids must be an array [batch, seq] or a pair (q_segment_ids, kv_segment_ids).")
+        q_ids, kv_ids = segment_ids
+    else:
+        if seq_q != seq_k:
+            raise ValueError(
+                f"segment_ids as one array needs q_len == kv_len (got {seq_q} and {seq_k}); "
+                "pass a pair (q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])."
+            )
+        q_ids = kv_ids = segment_ids
+    for name, ids, length in (("q segment_ids", q_ids, seq_q), ("kv segment_ids", kv_ids, seq_k)):
+        if not hasattr(ids, "shape") or tuple(ids.shape) != (batch, length):
+            raise ValueError(f"{name} must have shape {(batch, length)}, got {getattr(ids, 'shape', type(ids).__name__)}.")
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
+    return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def check_lengths(name: str, lengths, batch: int):
+    """int32 [batch] (or None)."""
+    if lengths is None:
+        return None
+    if not hasattr(lengths, "shape") or tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},) [batch], got {getattr(lengths, 'shape', type(lengths).__name__)}.")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers, got dtype {lengths.dtype}.")
+    return lengths.astype(jnp.int32)
+
+
+def check_slopes(slopes, heads: int):
+    """float32 [heads] (or None); not differentiated."""
+    if slopes is None:
+        return None
+    if not hasattr(slopes, "shape") or tuple(slopes.shape) != (heads,):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) [heads], got {getattr(slopes, 'shape', type(slopes).__name__)}.")
+    return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+
+
+# ---- mesh axes ------------------------------------------------------------------------------
+def mesh_axis_names(axis) -> tuple[str, ...]:
+    """A mesh axis argument (None, a name, or a tuple of names) as a tuple of names."""
+    if axis is None:
+        return ()
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def check_mesh_axes(mesh, **axes) -> dict[str, int]:
+    """Checks keyword mesh-axis arguments (e.g. ``batch_axis="data"``): every name is an
+    axis of the mesh and no name is used twice. Returns each argument's total size."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    used = []
+    sizes = {}
+    for arg, axis in axes.items():
+        names = mesh_axis_names(axis)
+        for name in names:
+            if name not in mesh.shape:
+                raise ValueError(f"{arg} {name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)}).")
+        used += names
+        sizes[arg] = math.prod(mesh.shape[name] for name in names)
+    if len(set(used)) != len(used):
+        raise ValueError(f"{', '.join(axes)} must name distinct mesh axes, got {used}.")
+    return sizes
+
+
+def check_divisible(q, k, sizes: dict[str, int], batch_arg: str = "batch_axis", head_arg: str = "head_axis"):
+    """The batch splits over `batch_arg`'s size; heads and kv_heads over `head_arg`'s."""
+    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    n_batch, n_head = sizes.get(batch_arg, 1), sizes.get(head_arg, 1)
+    if batch % n_batch:
+        raise ValueError(f"batch {batch} is not divisible by the size {n_batch} of {batch_arg}.")
+    if heads % n_head or kv_heads % n_head:
+        raise ValueError(
+            f"heads ({heads}) and kv_heads ({kv_heads}) must both be divisible by the size {n_head} of {head_arg}: "
+            "each device keeps whole query groups with their K/V head. Shard fewer ways or replicate the K/V heads."
+        )

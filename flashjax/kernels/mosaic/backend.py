@@ -1,0 +1,124 @@
+"""The Hopper backend: pads inputs to whole tiles and runs the Pallas Mosaic GPU kernels.
+
+The kernels want the query length a multiple of two query tiles (one per consumer
+warpgroup), the key length a multiple of the key tile and a head dim of 64, 128 or
+256 (wgmma and the 128-byte swizzle work in 64-column slabs). Inputs are
+zero-padded here; the kernels' mask spec knows the true lengths and masks the padded
+keys, and padded query rows are dropped.
+
+Supported: bfloat16 and float16, causal (bottom-right aligned) or not, GQA/MQA, any
+lengths, on an sm90 GPU. `supports` names everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from flashjax import backends
+from flashjax.kernels import common
+from flashjax.kernels.mosaic import bwd as mosaic_bwd, fwd as mosaic_fwd
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling
+from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_dim
+from flashjax.params import AttentionParams, Call, Extras
+
+DTYPES = ("bfloat16", "float16")
+# The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
+# a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
+# 255 limit.
+MAX_BACKWARD_HEAD_DIM = 128
+
+
+def supports(call: Call) -> list[str]:
+    reasons = []
+    if call.platform != "gpu" or call.compute_capability != "9.0":
+        reasons.append("needs an sm90 (Hopper: H100/H200) GPU; Mosaic GPU kernels have no interpret mode")
+    if jnp.dtype(call.dtype).name not in DTYPES:
+        reasons.append(f"{jnp.dtype(call.dtype).name} inputs (use bfloat16 or float16)")
+    if call.head_dim > HEAD_DIMS[-1]:
+        reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
+    reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options()]
+    return reasons
+
+
+def supports_backward(call: Call) -> list[str]:
+    if call.head_dim > MAX_BACKWARD_HEAD_DIM:
+        return [f"head_dim {call.head_dim} > {MAX_BACKWARD_HEAD_DIM} in the backward "
+                "(the dK/dV accumulators of a key tile exceed the registers)"]
+    return []
+
+
+def default_config(call: Call) -> MosaicConfig:
+    return MosaicConfig.default(call.head_dim)
+
+
+def _tiling(params: AttentionParams, seq_q: int, seq_k: int, block_q: int, block_kv: int, stages: int) -> Tiling:
+    return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k), scale=params.scale)
+
+
+def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
+    """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
+    del extras  # `supports` lets only calls without optional arrays through
+    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    # Short key sequences: a smaller key tile wastes less work on padding.
+    block_kv = min(config.block_kv, common.round_up(seq_k, 64))
+    t = _tiling(params, seq_q, seq_k, config.block_q, block_kv, config.stages)
+    dim = padded_head_dim(head_dim)
+    q_len = common.round_up(seq_q, COMPUTE_WGS * t.block_q)
+    k_len = common.round_up(seq_k, t.block_kv)
+    pad = common.pad_tokens
+    o, lse2 = mosaic_fwd.forward(
+        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, config.forward_schedule(params.causal)
+    )
+    return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
+
+
+def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
+    """Returns (dq, dk, dv, None) given the forward's o and lse and the cotangents of both."""
+    del extras
+    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    dim = padded_head_dim(head_dim)
+    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer).
+    accumulate = config.bwd_dq == "accumulate" and dim == 128
+    block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
+    dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
+    if accumulate:
+        q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, pair)
+    else:
+        # The dQ kernel takes query tiles in pairs.
+        q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
+        k_len = common.round_up(seq_k, math.lcm(pair, dq_block_kv))
+    lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
+    pad = common.pad_tokens
+    qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
+    kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
+    t = _tiling(params, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
+    if accumulate:
+        dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
+        dq = dq[:, :seq_q, :, :head_dim]
+        if params.causal and seq_q > seq_k:
+            # Rows that see no key (bottom-right alignment) are visited by no key tile:
+            # their dQ was never written.
+            sees_a_key = jnp.arange(seq_q) + (seq_k - seq_q) >= 0
+            dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
+        dq = (dq * params.scale).astype(q.dtype)
+    else:
+        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
+        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
+        dq = dq[:, :seq_q, :, :head_dim]
+    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None
+
+
+BACKEND = backends.Backend(
+    name="mosaic",
+    description="Pallas Mosaic GPU kernels for Hopper (wgmma, TMA, warp specialisation)",
+    config_type=MosaicConfig,
+    supports=supports,
+    supports_backward=supports_backward,
+    default_config=default_config,
+    forward=forward,
+    backward=backward,
+)

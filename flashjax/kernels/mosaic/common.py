@@ -1,0 +1,185 @@
+"""Pieces shared by the Hopper kernels: the warpgroup split, the static tiling, the K/V
+producer ring, the kernel launch, and the scoring of a wgmma score tile.
+
+Every kernel is one CTA of three warpgroups (FlashAttention-3's warp specialisation):
+two consumers that run `wgmma` on their own tile, and one producer that only issues
+TMA copies into a ring of shared-memory slots and gives its registers to the
+consumers. Tile ranges (which key tiles a query tile meets, and the reverse) and the
+elementwise mask come from `flashjax.masks.MaskSpec`, the same code as the Triton
+kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from flashjax.masks import BlockRange, MaskSpec
+
+# Consumer warpgroups per CTA (each owns one tile of the walked operand).
+COMPUTE_WGS = 2
+# Registers per thread after `set_max_registers`: the producer, which only issues TMA,
+# gives its share to the two consumers (2 * 232 + 40 warpgroup-threads' worth fits
+# the 64K-register file).
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static shape of one kernel call on inputs padded to whole tiles.
+
+    Attributes:
+      block_q: query rows per tile.
+      block_kv: key rows per tile.
+      stages: depth of the ring the producer streams through.
+      spec: the structural mask in true (unpadded) lengths.
+      scale: the logit scale.
+    """
+
+    block_q: int
+    block_kv: int
+    stages: int
+    spec: MaskSpec
+    scale: float
+
+
+def smem_tiles():
+    """128-byte swizzle on (8, 64) tiles: the layout wgmma reads without bank conflicts
+    and TMA writes directly (64 two-byte elements = one 128-byte row)."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def loop(lo, hi, body, carry):
+    """fori_loop that emits nothing for a static empty range: the Mosaic GPU lowering of
+    a zero-trip loop with constant bounds fails ("Shaped arrays must be represented by
+    ir.Values")."""
+    if isinstance(lo, int) and isinstance(hi, int):
+        if hi <= lo:
+            return carry
+        return lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, carry)
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def visit(tiles: BlockRange, step, carry):
+    """Runs ``step(i, carry, masked)`` over a range: the boundary tiles [lo, full_lo) and
+    [full_hi, hi) with the elementwise mask, the tiles between without it."""
+    carry = loop(tiles.lo, tiles.full_lo, lambda i, c: step(i, c, True), carry)
+    carry = loop(tiles.full_lo, tiles.full_hi, lambda i, c: step(i, c, False), carry)
+    return loop(tiles.full_hi, tiles.hi, lambda i, c: step(i, c, True), carry)
+
+
+def hull(a: BlockRange, b: BlockRange) -> tuple:
+    """(lo, hi) of the tiles either range visits: what a CTA's producer streams for its two consumers."""
+    return jnp.minimum(a.lo, b.lo), jnp.maximum(a.hi, b.hi)
+
+
+def pair_index(num_pairs: int, longest_first: bool):
+    """This CTA's pair of tiles. With a causal mask the last (longest) query rows go first,
+    so that the short CTAs fill the tail of the schedule instead of the long ones."""
+    index = lax.axis_index("pair")
+    return num_pairs - 1 - index if longest_first else index
+
+
+def turn(barrier, enabled: bool):
+    """One turn of a ping-pong between the two consumer warpgroups (a no-op when disabled)."""
+
+    def take_turn():
+        if enabled:
+            plgpu.barrier_arrive(barrier)
+            plgpu.barrier_wait(barrier)
+
+    return take_turn
+
+
+def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: str):
+    """Runs `entry` on a grid of (head, pair of tiles, batch row) CTAs of COMPUTE_WGS + 1 warpgroups.
+
+    The head is the slowest grid axis so that the CTAs of one head run together."""
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(heads, pairs, batch),
+        grid_names=("heads", "pair", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        kernel_name=kernel_name,  # what profilers show
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
+def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int):
+    """The producer's loop: TMA copies of the K and V tiles [lo, hi) into a ring of
+    `stages` slots, tile j into slot (j - lo) % stages.
+
+    ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
+    arrived at by both consumers once they have read a slot. `at(j)` indexes the
+    gmem refs at key tile j."""
+    k_ready, v_ready = ready
+    k_free, v_free = free
+
+    def load(j, slot, wait: bool):
+        if wait:
+            plgpu.barrier_wait(k_free.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[at(j)], k_smem.at[slot], k_ready.at[slot])
+        if wait:
+            plgpu.barrier_wait(v_free.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[at(j)], v_smem.at[slot], v_ready.at[slot])
+
+    for i in range(stages):
+        pl.when(lo + i < hi)(lambda i=i: load(lo + i, i, wait=False))
+
+    @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
+    def _(j):
+        load(j, lax.rem(j - lo, stages), wait=True)
+
+
+def release_kv(free, *, lo, hi, ring_lo, stages: int, each=None):
+    """A consumer's arrivals on the free barriers of the ring tiles [lo, hi) it does not
+    read, so that the producer's ring stays in step. The two consumers' ranges differ by
+    less than `stages` tiles at either end, so these arrivals never run a full ring
+    ahead of the other consumer's reads. `each()` runs once per tile (schedule turns)."""
+    k_free, v_free = free
+
+    def body(j, _):
+        slot = lax.rem(j - ring_lo, stages)
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        if each is not None:
+            each()
+
+    lax.fori_loop(lo, hi, body, None)
+
+
+def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):
+    """-inf where a score tile in the wgmma register layout does not attend.
+
+    s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or
+    [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed`."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, q_dim, layout=plgpu.Layout.WGMMA) + q_start
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
+    return jnp.where(spec.allowed(rows, cols), s, -jnp.inf)
+
+
+def product(a, b, shape):
+    """a @ b (shared-memory operands) into a fresh float32 accumulator, waited for."""
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def zeros(shape, layout=None):
+    """A float32 register tile of zeros in the wgmma layout (or `layout`)."""
+    return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout or plgpu.Layout.WGMMA)
+
+
+def out_shape(x, dtype=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)

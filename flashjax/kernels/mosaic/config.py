@@ -1,0 +1,97 @@
+"""`MosaicConfig`: the tiling of the Hopper kernels, and its tuned defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from flashjax import tuning
+
+__all__ = ["MosaicConfig", "HEAD_DIMS", "padded_head_dim"]
+
+TUNED = Path(__file__).with_name("tuned.json")
+# wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
+HEAD_DIMS = (64, 128, 256)
+FWD_SCHEDULES = ("auto", "pingpong", "overlap")
+BWD_DQ = ("recompute", "accumulate")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run at: the smallest of HEAD_DIMS that holds it."""
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"the Hopper kernels support head_dim <= {HEAD_DIMS[-1]}, got {head_dim}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiling of the Hopper (``backend="mosaic"``) kernels.
+
+    Each forward CTA runs two consumer warpgroups of `block_q` query rows (wgmma
+    wants 64-row multiples per warpgroup) and one producer warpgroup streaming
+    `block_kv`-row K/V tiles through a ring of `stages` shared-memory slots.
+
+    Attributes:
+      block_q: query rows per consumer warpgroup in the forward (a multiple of 64).
+      block_kv: key rows per tile in the forward (a multiple of 64).
+      stages: depth of the forward's K/V ring (>= 1).
+      bwd_block_q: query rows per step of the dK/dV kernel and per tile of the dQ kernel.
+      bwd_block_kv: key rows per consumer warpgroup of the dK/dV kernel.
+      bwd_stages: depth of the backward kernels' rings.
+      dq_block_kv: key rows per step of the dQ kernel.
+      fwd_schedule: how the forward's two consumer warpgroups share the tensor cores:
+        "pingpong" (a barrier alternates them, so that one's softmax runs under the
+        other's products), "overlap" (each consumer software-pipelines its key loop:
+        tile j's softmax runs while tile j-1's P V product is on the tensor cores), or
+        "auto": overlap without a causal mask, pingpong with one (the faster of the two
+        on an H100 in each case; benchmarks/results/mosaic-notes.md).
+      bwd_dq: how the backward gets dQ (both deterministic). "recompute": a second
+        kernel walks the key tiles of each query tile and recomputes S and dP (7
+        matrix products per tile pair). "accumulate": the dK/dV kernel also forms
+        dQ = dS K and adds it into a float32 dQ in global memory, in an order that
+        semaphores fix (5 products; head dim 128 only, others use "recompute"). The
+        default is the faster on an H100, "recompute".
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_stages: int = 2
+    dq_block_kv: int = 128
+    fwd_schedule: str = "auto"
+    bwd_dq: str = "recompute"
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_kv"):
+            value = getattr(self, name)
+            if value < 64 or value % 64:
+                raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
+        if self.fwd_schedule not in FWD_SCHEDULES:
+            raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
+        if self.bwd_dq not in BWD_DQ:
+            raise ValueError(f"MosaicConfig.bwd_dq must be one of {BWD_DQ}, got {self.bwd_dq!r}.")
+        for name in ("stages", "bwd_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
+
+    @classmethod
+    def default(cls, head_dim: int, device_kind: str | None = None) -> "MosaicConfig":
+        """The tiling for a head dim on a GPU model (default: the first JAX device's).
+
+        The entry `benchmarks/tune.py --backend mosaic` measured for this GPU model in
+        kernels/mosaic/tuned.json over the built-in default. Nothing is timed here.
+        """
+        if device_kind is None:
+            device_kind = tuning.first_gpu_kind()
+        fields = {f.name for f in dataclasses.fields(cls)}
+        entry = tuning.entry(TUNED, padded_head_dim(head_dim), device_kind)
+        return cls(**{k: v for k, v in entry.items() if k in fields})
+
+    def forward_schedule(self, causal: bool) -> str:
+        """The forward schedule a call runs: "pingpong" or "overlap"."""
+        if self.fwd_schedule == "auto":
+            return "pingpong" if causal else "overlap"
+        return self.fwd_schedule

@@ -1,0 +1,337 @@
+"""The Hopper forward kernel (Pallas Mosaic GPU): wgmma, TMA and warp specialisation.
+
+One CTA per (head, pair of query tiles, batch row) runs three warpgroups, in the
+FlashAttention-3 arrangement:
+
+* two consumer warpgroups, each owning a `block_q`-row query tile in registers
+  (m, l, acc in float32) and walking the key tiles with `wgmma`: S = Q K^T into
+  registers, the online softmax, then acc += P V with P fed from registers;
+* one producer warpgroup that only issues TMA copies of K and V tiles into a ring
+  of `stages` shared-memory slots (`common.stream_kv`).
+
+Two key loops keep the tensor cores busy while a consumer runs its softmax (the
+MUFU/FMA units), chosen by the `schedule` argument (MosaicConfig.fwd_schedule):
+
+* `synchronous_loop` with a ping-pong barrier: each step waits for its products, and
+  the barrier alternates the two consumers so that one's softmax runs under the other's
+  products (JAX's FA3 example). Used with a causal mask.
+* `overlapped_loop`: software-pipelined, each consumer's softmax of tile j runs under
+  its own P V product of tile j-1 (FlashAttention-3's intra-warpgroup overlap).
+
+The arrays arrive padded to whole tiles (see `backend.py`); the mask spec holds the
+true lengths. Key tiles outside a query tile's range (`MaskSpec.kv_range`) are never
+loaded, the fully visible ones run without a mask, and only the boundary tiles (the
+causal diagonal, the last partial key tile) pay for the iota/where. Rows that see no
+key keep m = -inf and l = 0 and finish as o = 0, lse = -inf.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from flashjax.kernels.common import LOG2E
+from flashjax.kernels.mosaic import common
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling
+from flashjax.masks import BlockRange
+
+SCHEDULES = ("pingpong", "overlap")
+
+
+class _Consumer(NamedTuple):
+    """What one consumer warpgroup's key loop reads: its query tile and the K/V ring."""
+
+    q_smem: object
+    q_start: object  # first query row of the tile
+    k_smem: object
+    v_smem: object
+    k_ready: object
+    v_ready: object
+    k_free: object
+    v_free: object
+    ring_lo: object  # first key tile the producer streams (slot of tile j: (j - ring_lo) % stages)
+    stages: int
+    turn: object  # one turn of the ping-pong schedule (a no-op without it)
+    t: Tiling
+
+    def slot(self, j):
+        return lax.rem(j - self.ring_lo, self.stages)
+
+    def scores(self, slot):
+        """S = Q K^T for the key tile in `slot`, waited for, with the other consumer's
+        turn on the tensor cores in between."""
+        t = self.t
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, self.q_smem, self.k_smem.at[slot].transpose((1, 0)))
+            self.turn()
+            return s_ref[...]
+
+        return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
+
+    def mask(self, s, j):
+        return common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv)
+
+
+def _online_softmax(s, m, scale_log2: float, masked: bool):
+    """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
+    p = exp2(s * scale_log2 - m) is one FMA + MUFU op."""
+    m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
+    if masked:
+        # A row with no visible key so far keeps m = -inf; subtract 0 instead
+        # so that exp2 sees -inf - 0 = -inf (p = 0, alpha = 0), never NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return m_new, alpha, p
+
+
+def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier):
+    """Key tiles of `tiles`: each step waits for S = Q K^T, runs the softmax, then waits
+    for acc += P V; the ping-pong barrier puts the other consumer's products under this
+    one's softmax."""
+    t = c.t
+    scale_log2 = t.scale * LOG2E
+    dtype = c.q_smem.dtype
+    head_dim = c.q_smem.shape[-1]
+
+    @pl.when(tiles.hi > tiles.lo)
+    def _():
+        plgpu.barrier_wait(c.k_ready.at[c.slot(tiles.lo)])
+
+    def step(j, carry, masked: bool):
+        acc, m, l = carry
+        slot = c.slot(j)
+        s = c.scores(slot)
+        plgpu.barrier_arrive(c.k_free.at[slot])
+        if masked:
+            s = c.mask(s, j)
+        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha
+        p16 = p.astype(dtype)
+
+        def end_softmax():
+            plgpu.barrier_arrive(schedule_barrier)  # softmax done: the other consumer may issue
+            plgpu.barrier_wait(c.v_ready.at[slot])
+            plgpu.barrier_wait(schedule_barrier)  # tensor cores free again
+
+        # The order follows JAX's FA3 example, where it was measured to matter.
+        if head_dim <= 128:
+            l = l + p.sum(axis=1)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            end_softmax()
+        else:
+            end_softmax()
+            l = l + p.sum(axis=1)
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, c.v_smem.at[slot])
+            nxt = j + 1
+
+            @pl.when(nxt < tiles.hi)
+            def _():
+                plgpu.barrier_wait(c.k_ready.at[c.slot(nxt)])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(c.v_free.at[slot])
+        return acc, m_new, l
+
+    return common.visit(tiles, step, carry)
+
+
+def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
+    """Key tiles of `tiles` (at least one: hi > lo), software-pipelined: step j issues
+    S_j = Q K_j^T and acc += P_{j-1} V_{j-1} together, then runs tile j's softmax while
+    the P V product is still on the tensor cores, and only then waits for it to
+    rescale acc. The first tile is always computed with the mask."""
+    t = c.t
+    scale_log2 = t.scale * LOG2E
+    dtype = c.q_smem.dtype
+    head_dim = c.q_smem.shape[-1]
+    acc, m, l = carry
+
+    first = c.slot(tiles.lo)
+    plgpu.barrier_wait(c.k_ready.at[first])
+    s = c.scores(first)
+    plgpu.barrier_arrive(c.k_free.at[first])
+    s = c.mask(s, tiles.lo)
+    m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
+    l = p.sum(axis=1)
+    p16 = p.astype(dtype)
+    c.turn()
+
+    def step(j, carry, masked: bool):
+        acc, m, l, p16 = carry
+        slot, prev = c.slot(j), c.slot(j - 1)
+        plgpu.barrier_wait(c.k_ready.at[slot])
+        plgpu.barrier_wait(c.v_ready.at[prev])
+
+        def body(s_ref, acc_ref):
+            acc_ref[...] = acc
+            plgpu.wgmma(s_ref, c.q_smem, c.k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, p16, c.v_smem.at[prev])
+            c.turn()
+            # Masked tiles (the diagonal, the tail) wait for P V first: the mask's
+            # index arrays beside P_{j-1} and the in-flight acc would not fit in
+            # the registers. Unmasked tiles, the bulk, overlap.
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
+            plgpu.barrier_arrive(c.k_free.at[slot])
+            if masked:
+                acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
+                plgpu.barrier_arrive(c.v_free.at[prev])
+                s = c.mask(s, j)
+            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
+            l_new = l * alpha + p.sum(axis=1)
+            p16_new = p.astype(dtype)
+            if not masked:
+                acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+                plgpu.barrier_arrive(c.v_free.at[prev])
+            c.turn()
+            return acc_new * lax.broadcast_in_dim(alpha, acc_new.shape, [0]), m_new, l_new, p16_new
+
+        return pl.run_scoped(
+            body, plgpu.ACC((t.block_q, t.block_kv), jnp.float32), plgpu.ACC((t.block_q, head_dim), jnp.float32)
+        )
+
+    start = tiles.lo + 1
+    rest = BlockRange(start, jnp.maximum(tiles.full_lo, start), jnp.maximum(tiles.full_hi, start), tiles.hi)
+    acc, m, l, p16 = common.visit(rest, step, (acc, m, l, p16))
+
+    last = c.slot(tiles.hi - 1)
+    plgpu.barrier_wait(c.v_ready.at[last])
+    acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, c.v_smem.at[last]))(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(c.v_free.at[last])
+    return acc, m, l
+
+
+def _at_least_one_tile(tiles: BlockRange, n_kv: int) -> BlockRange:
+    """The range, or its first tile alone when it is empty (the overlapped loop always
+    computes one tile; outside the range it is fully masked, harmless)."""
+    lo = jnp.minimum(tiles.lo, n_kv - 1)
+    return BlockRange(lo, tiles.full_lo, tiles.full_hi, jnp.maximum(tiles.hi, lo + 1))
+
+
+def forward(q, k, v, t: Tiling, schedule: str):
+    """Runs the forward kernel on padded inputs.
+
+    Args:
+      q: [B, Tqp, H, D] bf16/fp16, Tqp a multiple of 2 * t.block_q, D in (64, 128, 256).
+      k, v: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
+      t: the tiling; t.spec holds the true lengths and the causal flag.
+      schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
+
+    Returns:
+      o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
+    """
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    group = heads // kv_heads
+    block_q, block_kv = t.block_q, t.block_kv
+    assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
+    assert schedule in SCHEDULES, schedule
+    overlap = schedule == "overlap"
+    n_kv = k_len // block_kv
+    n_pairs = q_len // (COMPUTE_WGS * block_q)
+    stages = max(1, min(t.stages, n_kv))
+
+    def kv_tiles(q_block):
+        tiles = t.spec.kv_range(q_block, block_q, block_kv, n_kv)
+        return _at_least_one_tile(tiles, n_kv) if overlap else tiles
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped
+        pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
+        # The producer streams the key tiles either consumer needs.
+        ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
+        take_turn = common.turn(schedule_barrier, not overlap)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _consumer():
+            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_block = pair * COMPUTE_WGS + wg
+            q_start = q_block * block_q
+            tiles = kv_tiles(q_block)
+
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = common.zeros((block_q, head_dim))
+            consumer = _Consumer(
+                qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t
+            )
+
+            # The ring tiles this query tile does not read: release them in order, with
+            # the two schedule turns a computed tile takes.
+            def skip(lo, hi):
+                common.release_kv(free, lo=lo, hi=hi, ring_lo=ring_lo, stages=stages,
+                                  each=lambda: (take_turn(), take_turn()))
+
+            # Offset the two consumers by half a step: wg 1 starts one turn late.
+            pl.when(wg == 1)(take_turn)
+            skip(ring_lo, tiles.lo)
+            if overlap:
+                acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
+            else:
+                acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
+            skip(tiles.hi, ring_hi)
+            pl.when(wg == 0)(take_turn)
+
+            # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
+            l_safe = jnp.where(l == 0.0, 1.0, l)
+            acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = m + jnp.log(l) * LOG2E
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _producer():
+            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
+            kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
+            common.stream_kv(
+                k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
+                at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+            )
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        tiles = common.smem_tiles()
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        )
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped),
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    return common.launch(
+        entry, out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
+        pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
+    )(q, k, v)

@@ -1,0 +1,129 @@
+"""`TritonConfig`: the tiling of the three Triton kernels, and its tuned defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from flashjax import tuning
+
+__all__ = ["TritonConfig", "KernelConfig"]
+
+TUNED = Path(__file__).with_name("tuned.json")
+# Shared memory a Triton program may use on sm90 (227 KB), less a margin for the
+# compiler's own layout-conversion buffers.
+SHARED_MEMORY_BUDGET = 200 * 1024
+MAX_HEAD_DIM = 256
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tiling of one Triton kernel.
+
+    Attributes:
+      block_q: rows of the query tile (a power of two >= 16).
+      block_k: rows of the key/value tile (a power of two >= 16).
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the key/value (or query) loop.
+    """
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not (_is_power_of_two(value) and value >= 16):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}.")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(f"KernelConfig.num_warps must be a power of two, got {self.num_warps}.")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}.")
+
+    def fit_shared_memory(self, streamed_bytes_per_key: int, pair_bytes: int) -> "KernelConfig":
+        """Fewer pipeline stages, then shorter key tiles, until the streamed tiles fit.
+
+        Each stage holds a key tile of every streamed operand (`streamed_bytes_per_key`
+        bytes per key row, e.g. K and V) plus a [block_q, block_k] tile of each
+        broadcastable input (`pair_bytes` per element, e.g. 2 for a bf16 bias).
+        """
+        config = self
+        while True:
+            per_stage = config.block_k * (streamed_bytes_per_key + config.block_q * pair_bytes)
+            if per_stage * config.num_stages <= SHARED_MEMORY_BUDGET:
+                return config
+            if config.num_stages > 2:
+                config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+            elif config.block_k > 16:
+                config = dataclasses.replace(config, block_k=config.block_k // 2)
+            else:
+                return config
+
+    def fit(self, seq_q: int, seq_k: int) -> "KernelConfig":
+        """Shrinks the tiles for short sequences (never below 16, Triton's smallest dot)."""
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, max(16, next_power_of_two(seq_q))),
+            block_k=min(self.block_k, max(16, next_power_of_two(seq_k))),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+    """Tiling of the Triton (``backend="triton"``) kernels.
+
+    Attributes:
+      fwd: the forward kernel (one program per query tile, loop over key tiles).
+      dkv: the dK/dV kernel (one program per key tile, loop over query tiles).
+      dq: the dQ kernel (one program per query tile, loop over key tiles).
+    """
+
+    fwd: KernelConfig
+    dkv: KernelConfig
+    dq: KernelConfig
+
+    @classmethod
+    def default(cls, head_dim: int, dtype=np.float32, device_kind: str | None = None) -> "TritonConfig":
+        """The tuned tiling for a (padded) head dimension and input dtype.
+
+        kernels/triton/tuned.json: this GPU model's entry if `benchmarks/tune.py` wrote
+        one, else the default (measured on an H100). Nothing is timed here.
+        """
+        padded = max(16, next_power_of_two(head_dim))
+        if padded > MAX_HEAD_DIM:
+            raise ValueError(f"the Triton kernels support head_dim <= {MAX_HEAD_DIM}, got {head_dim}.")
+        if device_kind is None:
+            device_kind = tuning.first_gpu_kind()
+        entry = tuning.entry(TUNED, padded, device_kind)
+        fwd, dkv, dq = (KernelConfig(**entry[name]) for name in ("fwd", "dkv", "dq"))
+        if np.dtype(dtype) == np.float32 and padded >= 128:
+            # float32 tiles take twice the registers and shared memory of bf16 ones.
+            halve = lambda c: dataclasses.replace(c, block_q=max(16, c.block_q // 2), block_k=max(16, c.block_k // 2))
+            fwd, dkv, dq = halve(fwd), halve(dkv), halve(dq)
+        return cls(fwd=fwd, dkv=dkv, dq=dq)
+
+    def fit(self, seq_q: int, seq_k: int) -> "TritonConfig":
+        """Shrinks every kernel's tiles for short sequences."""
+        return TritonConfig(self.fwd.fit(seq_q, seq_k), self.dkv.fit(seq_q, seq_k), self.dq.fit(seq_q, seq_k))
+
+    @property
+    def q_multiple(self) -> int:
+        """Query lengths are padded to a multiple of this (every kernel's query tile divides it)."""
+        return max(self.fwd.block_q, self.dkv.block_q, self.dq.block_q)
+
+    @property
+    def k_multiple(self) -> int:
+        """Key lengths are padded to a multiple of this."""
+        return max(self.fwd.block_k, self.dkv.block_k, self.dq.block_k)

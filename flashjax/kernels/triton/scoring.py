@@ -1,0 +1,153 @@
+"""The Triton kernels' shared pieces: matrix products, tile reads, scoring, the online-softmax step and tile loops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from flashjax import dropout
+from flashjax.kernels.common import LOG2E
+from flashjax.masks import BlockRange, MaskSpec
+
+
+def dot(a, b, *, trans_b: bool = False, precision=None):
+    """2-D matrix product with float32 accumulation (a Triton `tt.dot`); `trans_b` multiplies by b^T."""
+    contract_b = 1 if trans_b else 0
+    return lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+    """float32 inputs ask for full precision: Triton would otherwise round to tf32."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def pair_tile(ref, lead, q_index, k_index):
+    """A [bq or 1, bk or 1] tile of a broadcastable (mask or bias) ref.
+
+    `ref` has 2 trailing axes (queries, keys) after 0-2 leading ones (batch, head),
+    indexed by the last entries of `lead`. A size-1 axis is broadcast and read
+    whole; an index of None reads the whole axis (already tiled by the BlockSpec).
+    """
+    n_lead = len(ref.shape) - 2
+    lead = tuple(lead)[len(lead) - n_lead:] if n_lead else ()
+    index = tuple(i if ref.shape[a] > 1 else 0 for a, i in enumerate(lead))
+    rows, cols = ref.shape[-2], ref.shape[-1]
+    index += (
+        slice(None) if rows == 1 or q_index is None else q_index,
+        slice(None) if cols == 1 or k_index is None else k_index,
+    )
+    return ref[index]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """Turns a tile of q.k products into base-2 logits, applying every variant.
+
+    The order is: scale, softcap, bias and ALiBi, then the mask (-inf). The
+    dataclass is static; per-tile arrays come in as arguments.
+    """
+
+    spec: MaskSpec
+    scale: float
+    softcap: float | None = None
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = False
+
+    def logits(self, qk, rows, cols, *, bias=None, slope=None):
+        """Returns (s2, t): base-2 logits and tanh(.) of the softcap (None without one)."""
+        if self.softcap is not None:
+            t = jnp.tanh(qk * (self.scale / self.softcap))
+            s = t * (self.softcap * LOG2E)
+        else:
+            t = None
+            s = qk * (self.scale * LOG2E)
+        if bias is not None:
+            s = s + bias.astype(jnp.float32) * LOG2E
+        if slope is not None:
+            distance = jnp.abs(rows + self.spec.offset - cols).astype(jnp.float32)
+            s = s - (slope * LOG2E) * distance
+        return s, t
+
+    def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None):
+        """-inf where the pair does not attend (only called on boundary tiles).
+
+        rows and cols broadcast against each other ([bq, 1] x [1, bk], or the
+        transposed [1, bq] x [bk, 1]); segment ids follow the same orientation.
+        """
+        allowed = self.spec.allowed(rows, cols, kv_length)
+        if q_seg is not None:
+            allowed = allowed & (q_seg.reshape(rows.shape) == kv_seg.reshape(cols.shape))
+        if dense is not None:
+            allowed = allowed & (dense != 0)
+        return jnp.where(allowed, s, -jnp.inf)
+
+    def logit_grad(self, ds, t):
+        """d(softcap * tanh(x / softcap))/dx = 1 - tanh^2: from d/d logits to d/d (scale * q.k)."""
+        return ds if t is None else ds * (1.0 - t * t)
+
+    # ---- dropout ----------------------------------------------------------------------
+    @property
+    def keep_scale(self) -> float:
+        return 1.0 / (1.0 - self.dropout_rate)
+
+    def dropout_base(self, seed_ref, batch, head, heads: int):
+        """The random stream of one (batch, head); one shared stream with broadcast_dropout."""
+        if self.dropout_rate == 0.0:
+            return None
+        stream = 0 if self.broadcast_dropout else batch * heads + head
+        return dropout.stream_base(seed_ref[0], seed_ref[1], stream)
+
+    def keep(self, base, rows, cols):
+        return dropout.tile_keep(base, rows, cols, dropout.keep_threshold(self.dropout_rate))
+
+
+def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=None):
+    """One step of FlashAttention's running softmax over a key tile.
+
+    Args:
+      acc: unnormalised output [block_q, D] (float32).
+      m: running row max [block_q] of the base-2 logits.
+      l: running row sum [block_q] of exp2(s - m).
+      s: this tile's base-2 logits [block_q, block_k], -inf where masked.
+      v: this tile's values [block_k, D].
+      masked: whether `s` may hold -inf (a boundary tile); then a row may have
+        seen no key yet, and m stays -inf.
+      keep: dropout keep mask of the tile; dropped weights still count in l
+        (dropout acts on the normalised probabilities).
+
+    Returns:
+      The updated (acc, m, l).
+    """
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row with no visible key so far keeps m = -inf; shifting by 0 instead keeps
+    # exp2(-inf - (-inf)) = NaN out of alpha and p (both become 0).
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2(s - m_shift[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l
+
+
+def visit_tiles(block_range: BlockRange, step, carry, *, lower_boundary: bool, upper_boundary: bool):
+    """Runs `step(i, carry, masked)` over the tiles of a range.
+
+    Tiles [lo, full_lo) and [full_hi, hi) sit on the mask's boundary and are
+    computed with the elementwise mask; [full_lo, full_hi) are entirely visible
+    and skip it. A side whose boundary can never hold tiles (static knowledge
+    from the mask spec) is not emitted at all, so it costs no code.
+    """
+    lo, full_lo, full_hi, hi = block_range
+    if lower_boundary:
+        carry = lax.fori_loop(lo, full_lo, lambda i, c: step(i, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda i, c: step(i, c, False), carry)
+    if upper_boundary:
+        carry = lax.fori_loop(full_hi, hi, lambda i, c: step(i, c, True), carry)
+    return carry
