@@ -51,10 +51,10 @@ def flash_attention(
     (and through the logsumexp with ``return_lse=True``); works under ``jit``, ``grad``,
     ``vmap`` and ``jax.checkpoint``.
 
-    A row whose every logit is ``-inf`` (all its keys masked, by any option) outputs 0,
-    with lse ``-inf`` and zero gradients, never NaN. Finite logits, however negative,
-    are a softmax like any other: a row whose bias is ``finfo.min`` everywhere averages
-    the values, as in ``jax.nn.dot_product_attention``.
+    A row whose keys are all masked (by any option, including a bias of ``-inf`` or of
+    ``finfo.min``, Flax's masking idiom: bias values at or below -1.7e38 mask their key)
+    outputs 0, with lse ``-inf`` and zero gradients, never NaN. (``jax.nn`` and Flax
+    return the mean of the values for such rows.)
 
     Example::
 
@@ -72,7 +72,8 @@ def flash_attention(
         every key, so a decode step against a KV cache sees the whole cache.
       scale: logit scale (a static Python number); defaults to ``1 / sqrt(head_dim)``.
       bias: additive float bias broadcastable to ``[batch, heads, q_len, kv_len]``,
-        read tile by tile (never expanded); added after the softcap. Its gradient is
+        read tile by tile (never expanded); added after the softcap. ``-inf`` and
+        values at or below -1.7e38 (``finfo.min``) mask their key. Its gradient is
         reduced over the axes it broadcasts along.
       mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]``; True = attend
         (the convention of ``jax.nn.dot_product_attention`` and Flax).

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import dropout, masks
+from flashjax.params import bias_logits
 
 __all__ = ["attention", "logits_mask"]
 
@@ -76,7 +77,9 @@ def attention(
       v: values [B, Tk, Hkv, D].
       causal: query i attends keys j <= i + Tk - Tq (bottom-right aligned).
       scale: logit scale, default 1/sqrt(D).
-      bias: additive bias broadcastable to [B, H, Tq, Tk], added after the softcap.
+      bias: additive bias broadcastable to [B, H, Tq, Tk], added after the softcap;
+        -inf and values at or below `flashjax.params.MASKING_BIAS` (-1.7e38, e.g.
+        finfo.min) mask the key.
       mask: boolean, broadcastable to [B, H, Tq, Tk]; True = attend.
       segment_ids: int [B, T] (self-attention) or a pair ([B, Tq], [B, Tk]).
       q_lengths, kv_lengths: int [B]; positions at or past them are padding.
@@ -109,7 +112,7 @@ def attention(
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
-        logits = logits + bias.astype(dtype)
+        logits = logits + bias_logits(bias.astype(dtype))
     if alibi_slopes is not None:
         distance = jnp.abs(jnp.arange(seq_q)[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
         logits = logits - alibi_slopes.astype(dtype)[None, :, None, None] * distance

@@ -7,8 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import linen as nn
 
-from flashjax.flax.attention_fn import _attention_fn, attention_fn, make_attention_fn
-from flashjax.flax.common import head_dim_of, update_cache
+from flashjax.flax.attention_fn import attention_fn, make_attention_fn
+from flashjax.flax.common import attend, default_inputs, head_dim_of
 
 __all__ = ["attention_fn", "make_attention_fn", "FlashMultiHeadAttention"]
 
@@ -89,10 +89,7 @@ class FlashMultiHeadAttention(nn.Module):
         Returns:
           ``[batch..., q_len, out_features]``.
         """
-        if inputs_k is None:
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
         kv_heads = self.num_kv_heads or self.num_heads
         head_dim = head_dim_of(self.num_heads, kv_heads, self.head_dim, self.qkv_features or inputs_q.shape[-1])
         dense = lambda heads, name: nn.DenseGeneral(  # noqa: E731
@@ -106,20 +103,14 @@ class FlashMultiHeadAttention(nn.Module):
             norm = lambda name: nn.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
             query, key = norm("query_norm")(query), norm("key_norm")(key)
 
-        kv_length = None
-        causal = self.causal
+        cache = None
         if self.decode:
             is_initialized = self.has_variable("cache", "cached_key")
             cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
             cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
             cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
-            if is_initialized:
-                key, value, kv_length = update_cache(
-                    cached_key.value, cached_value.value, cache_index.value, key, value)
-                cached_key.value, cached_value.value, cache_index.value = key, value, kv_length
-                # One query against the filled cache: kv_length bounds the keys, so
-                # the kernels skip the empty slots instead of reading a mask.
-                causal = False
+            if is_initialized:  # init with a full-length input only creates the cache
+                cache = (cached_key.value, cached_value.value, cache_index.value)
 
         if self.dropout_rate > 0.0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
@@ -128,11 +119,10 @@ class FlashMultiHeadAttention(nn.Module):
         else:
             deterministic = True
 
-        x = _attention_fn(
-            query, key, value, bias=bias, mask=mask, broadcast_dropout=self.broadcast_dropout,
-            dropout_rng=dropout_rng, dropout_rate=self.dropout_rate, deterministic=deterministic,
-            dtype=self.dtype, causal=causal, backend=self.backend, config=self.config, kv_length=kv_length,
-        )
+        x, cache = attend(self, query, key, value, mask=mask, bias=bias, dropout_rng=dropout_rng,
+                          deterministic=deterministic, cache=cache)
+        if cache is not None:
+            cached_key.value, cached_value.value, cache_index.value = cache
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,

@@ -7,8 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from flashjax.flax.attention_fn import _attention_fn, attention_fn, make_attention_fn
-from flashjax.flax.common import head_dim_of, update_cache
+from flashjax.flax.attention_fn import attention_fn, make_attention_fn
+from flashjax.flax.common import attend, default_inputs, head_dim_of
 
 __all__ = ["attention_fn", "make_attention_fn", "FlashMultiHeadAttention"]
 
@@ -138,23 +138,16 @@ class FlashMultiHeadAttention(nnx.Module):
         Returns:
           ``[batch..., q_len, out_features]``.
         """
-        if inputs_k is None:
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
         if self.qk_norm:
             query, key = self.query_norm(query), self.key_norm(key)
 
-        kv_length = None
-        causal = self.causal
+        cache = None
         if decode if decode is not None else self.decode:
             if self.cached_key is None:
                 raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first.")
-            key, value, kv_length = update_cache(
-                self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value)
-            self.cached_key[...], self.cached_value[...], self.cache_index[...] = key, value, kv_length
-            causal = False  # one query against the filled part of the cache
+            cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
 
         dropout_rng = None
         deterministic = True if self.dropout_rate == 0.0 else (
@@ -167,9 +160,8 @@ class FlashMultiHeadAttention(nnx.Module):
                 raise ValueError("dropout needs rngs: pass rngs= to the call.")
             dropout_rng = stream.dropout() if isinstance(stream, nnx.Rngs) else stream()
 
-        x = _attention_fn(
-            query, key, value, bias=bias, mask=mask, broadcast_dropout=self.broadcast_dropout,
-            dropout_rng=dropout_rng, dropout_rate=self.dropout_rate, deterministic=deterministic,
-            dtype=self.dtype, causal=causal, backend=self.backend, config=self.config, kv_length=kv_length,
-        )
+        x, cache = attend(self, query, key, value, mask=mask, bias=bias, dropout_rng=dropout_rng,
+                          deterministic=deterministic, cache=cache)
+        if cache is not None:
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
         return self.out(x)

@@ -71,7 +71,8 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
     if masked:
         s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-    p_t = jnp.exp2(s_t * (t.scale * LOG2E) - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+    # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
+    p_t = jnp.exp2(jnp.minimum(s_t * (t.scale * LOG2E) - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
 
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
@@ -254,7 +255,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 if masked:
                     s = common.mask_tile(s, t.spec, q_start, j * block_kv)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
+                p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T

@@ -54,7 +54,9 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     s, t = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
     if masked:
         s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
-    p = jnp.exp2(s - lse)
+    # S and the lse are recomputed in another order than the forward's: with huge
+    # logits S can exceed the lse by rounding; P is a probability, so it is capped at 1.
+    p = jnp.exp2(jnp.minimum(s - lse, 0.0))
     dp = scoring.dot(v, do, trans_b=True, precision=precision) if transposed else scoring.dot(do, v, trans_b=True, precision=precision)
     if drop_base is not None:
         keep = scorer.keep(drop_base, rows, cols)

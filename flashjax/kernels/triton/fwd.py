@@ -56,7 +56,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
                 dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
             )
         keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
-        return scoring.online_softmax_step(acc, m, l, s, v, masked=masked, keep=keep, precision=precision)
+        # A -inf bias can empty a row of a tile the structural mask calls full.
+        may_be_empty = masked or x.bias is not None
+        return scoring.online_softmax_step(acc, m, l, s, v, masked=may_be_empty, keep=keep, precision=precision)
 
     carry = (
         jnp.zeros((block_q, head_dim), jnp.float32),

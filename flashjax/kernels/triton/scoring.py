@@ -10,6 +10,7 @@ from jax import lax
 from flashjax import dropout
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
+from flashjax.params import bias_logits
 
 
 def dot(a, b, *, trans_b: bool = False, precision=None):
@@ -67,7 +68,7 @@ class Scorer:
             t = None
             s = qk * (self.scale * LOG2E)
         if bias is not None:
-            s = s + bias.astype(jnp.float32) * LOG2E
+            s = s + bias_logits(bias.astype(jnp.float32)) * LOG2E
         if slope is not None:
             distance = jnp.abs(rows + self.spec.offset - cols).astype(jnp.float32)
             s = s - (slope * LOG2E) * distance
