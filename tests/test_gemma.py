@@ -232,3 +232,22 @@ def test_decoding_past_the_window_equals_the_forward_pass(gemma, family):
         err = rel_err(np.asarray(logits)[1:], want[0, :-1])
         assert err <= RTOL, f"{prompt!r}: decoded logits vs forward pass, relative error {err:.2e}"
         assert length > config.sliding_window_size + 8
+
+
+@pytest.mark.slow
+def test_benchmark_smoke(gemma, tmp_path):
+    """benchmarks/gemma.py --smoke: both variants train a step in their own processes and agree."""
+    import json
+    import subprocess
+
+    out = tmp_path / "gemma.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gemma.py"), "--smoke", "--seqlens", "64", "--steps", "1",
+           "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"original", "flashjax"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["tokens_per_s"] > 0, row
+    # bfloat16 activations: the two attentions round differently, ~1e-4 relative on the loss.
+    assert abs(rows["flashjax"]["loss"] - rows["original"]["loss"]) <= 2e-3 * abs(rows["original"]["loss"])
