@@ -46,7 +46,7 @@ import pytest
 # Tests that need the attention weights, which flashjax never materialises: they
 # call the modules with sow_weights=True, and flashjax's attention_fn raises
 # NotImplementedError when Flax passes module= to sow them. Matched against the
-# test's name (the last part of its node id).
+# end of the node id (``Class::test``).
 SOW_REASON = "sows the attention weights (sow_weights=True), which flashjax never materialises"
 DESELECTED = {
     # tests/linen/linen_attention_test.py

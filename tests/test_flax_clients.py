@@ -90,7 +90,8 @@ def test_flax_attention_tests_pass_with_flashjax(flax_source, tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-p", "flax_default_attention", "-p", "no:cacheprovider",
            "-o", "addopts=", "-q", "-rfE", f"--junitxml={junit}", f"--flashjax-report={report}",
            *FLAX_TEST_FILES]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=flax_source, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     elapsed = time.perf_counter() - start
