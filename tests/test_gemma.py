@@ -21,7 +21,6 @@ On the CPU the kernels run in Pallas interpret mode (``backend="triton"``).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
