@@ -88,6 +88,17 @@ class MaskSpec:
         return mask
 
     # ---- block ranges --------------------------------------------------------------
+    def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
+        """Whether `kv_range`'s lower and upper boundary parts can hold tiles at all (static):
+        below the band (a left window), and above it (causal or a right window, or keys
+        padded past seq_k). A kernel emits no loop for a part that cannot."""
+        return self.left is not None, self.right is not None or self.seq_k != padded_seq_k
+
+    def q_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
+        """The same for `q_range`: its lower part (causal or a right window) and its upper
+        part (a left window, or a key tile holding padding)."""
+        return self.right is not None, self.left is not None or self.seq_k != padded_seq_k
+
     def kv_range(self, q_block, block_q: int, block_k: int, num_k_blocks: int) -> BlockRange:
         """Key tiles met by query tile `q_block` (forward and dQ kernels)."""
         length = self.seq_k

@@ -153,7 +153,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
             def head(g, carry):
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
-                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked), carry)
+                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked), carry,
+                                     t.spec.q_boundaries(k_len))
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
 
@@ -272,7 +273,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
 
             free = (k_free, v_free)
             common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages)
-            acc = common.visit(tiles, step, common.zeros((block_q, head_dim)))
+            acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.spec.kv_boundaries(k_len))
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages)
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
@@ -431,7 +432,8 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
 
             def head(g, carry):
                 base = g * per_head - cta_lo  # step of query tile i is base + i
-                return common.visit(walk, lambda i, c, masked: step(base + i, i, c, masked), carry)
+                return common.visit(walk, lambda i, c, masked: step(base + i, i, c, masked), carry,
+                                    t.spec.q_boundaries(k_len))
 
             zero = common.zeros((block_kv, head_dim))
             dk, dv = loop(0, group, head, (zero, zero))

@@ -65,12 +65,18 @@ def loop(lo, hi, body, carry):
     return lax.fori_loop(lo, hi, body, carry)
 
 
-def visit(tiles: BlockRange, step, carry):
+def visit(tiles: BlockRange, step, carry, boundaries: tuple[bool, bool] = (True, True)):
     """Runs ``step(i, carry, masked)`` over a range: the boundary tiles [lo, full_lo) and
-    [full_hi, hi) with the elementwise mask, the tiles between without it."""
-    carry = loop(tiles.lo, tiles.full_lo, lambda i, c: step(i, c, True), carry)
+    [full_hi, hi) with the elementwise mask, the tiles between without it. `boundaries`
+    says (statically, `MaskSpec.kv_boundaries` / `q_boundaries`) which boundary part can
+    hold tiles; no loop is emitted for the other."""
+    lower, upper = boundaries
+    if lower:
+        carry = loop(tiles.lo, tiles.full_lo, lambda i, c: step(i, c, True), carry)
     carry = loop(tiles.full_lo, tiles.full_hi, lambda i, c: step(i, c, False), carry)
-    return loop(tiles.full_hi, tiles.hi, lambda i, c: step(i, c, True), carry)
+    if upper:
+        carry = loop(tiles.full_hi, tiles.hi, lambda i, c: step(i, c, True), carry)
+    return carry
 
 
 def hull(a: BlockRange, b: BlockRange) -> tuple:

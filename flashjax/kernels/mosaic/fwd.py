@@ -58,6 +58,7 @@ class _Consumer(NamedTuple):
     stages: int
     turn: object  # one turn of the ping-pong schedule (a no-op without it)
     t: Tiling
+    boundaries: tuple[bool, bool]  # MaskSpec.kv_boundaries: which masked parts of a range can exist
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -144,7 +145,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         plgpu.barrier_arrive(c.v_free.at[slot])
         return acc, m_new, l
 
-    return common.visit(tiles, step, carry)
+    return common.visit(tiles, step, carry, c.boundaries)
 
 
 def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
@@ -203,7 +204,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
 
     start = tiles.lo + 1
     rest = BlockRange(start, jnp.maximum(tiles.full_lo, start), jnp.maximum(tiles.full_hi, start), tiles.hi)
-    acc, m, l, p16 = common.visit(rest, step, (acc, m, l, p16))
+    acc, m, l, p16 = common.visit(rest, step, (acc, m, l, p16), c.boundaries)
 
     last = c.slot(tiles.hi - 1)
     plgpu.barrier_wait(c.v_ready.at[last])
@@ -272,7 +273,8 @@ def forward(q, k, v, t: Tiling, schedule: str):
             l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = common.zeros((block_q, head_dim))
             consumer = _Consumer(
-                qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t
+                qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
+                t.spec.kv_boundaries(k_len),
             )
 
             # The ring tiles this query tile does not read: release them in order, with

@@ -138,7 +138,8 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig):
-    """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for empty rows)."""
+    """Returns o [B, Tq, H, D] (float32 with `params.float32_residual`, else q's dtype) and the
+    natural-log lse [B, H, Tq] (-inf for empty rows)."""
     seq_q, head_dim = q.shape[1], q.shape[3]
     layout = _layout(q, k, extras, config)
     fwd = layout.config.fwd
@@ -146,6 +147,7 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: TritonConf
         _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout),
         _tile_inputs(extras, q, k, layout, fwd.block_q, fwd.block_k, by_key_block=False),
         scorer=_scorer(params, seq_q, k.shape[1]), config=fwd, interpret=params.interpret,
+        out_dtype=jnp.float32 if params.float32_residual else None,
     )
     return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
 

@@ -116,8 +116,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
 
         return scoring.visit_tiles(
             tiles, step, carry,
-            lower_boundary=spec.right is not None or x.ranges is not None,
-            upper_boundary=spec.left is not None or spec.seq_k != padded_seq_k or x.ranges is not None,
+            *((True, True) if x.ranges is not None else spec.q_boundaries(padded_seq_k)),
         )
 
     zeros = jnp.zeros((block_k, head_dim), jnp.float32)
@@ -171,8 +170,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
         tiles = masks.intersect(tiles, x.ranges)
     dq = scoring.visit_tiles(
         tiles, step, jnp.zeros((block_q, head_dim), jnp.float32),
-        lower_boundary=spec.left is not None or x.ranges is not None,
-        upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
+        *((True, True) if x.ranges is not None else spec.kv_boundaries(k_ref.shape[0])),
     )
     dq_ref[...] = (dq * scorer.scale).astype(dq_ref.dtype)
 

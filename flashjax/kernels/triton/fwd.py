@@ -70,8 +70,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
         tiles = masks.intersect(tiles, x.ranges)
     acc, m, l = scoring.visit_tiles(
         tiles, step, carry,
-        lower_boundary=spec.left is not None or x.ranges is not None,
-        upper_boundary=True if x.ranges is not None else (spec.right is not None or spec.seq_k != k_ref.shape[0]),
+        *((True, True) if x.ranges is not None else spec.kv_boundaries(k_ref.shape[0])),
     )
     # Rows that met no key (l = 0), and padded query rows, output 0 and report lse = -inf.
     empty = l == 0.0
@@ -111,7 +110,7 @@ def extra_specs(x: Extras, *, block_q: int, seq_k: int, num_q_blocks: int) -> Ex
     )
 
 
-def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpret: bool = False):
+def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpret: bool = False, out_dtype=None):
     """Runs the forward kernel on tile-aligned inputs.
 
     Args:
@@ -119,9 +118,10 @@ def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpr
       k, v: [B, Tk, Hkv, D] with Tk a multiple of config.block_k.
       x: optional inputs, already padded to the tiles (lengths folded into `ranges`).
       scorer: the static scoring (mask spec in true lengths, scale, softcap, dropout).
+      out_dtype: of o (default q's).
 
     Returns:
-      o [B, Tq, H, D] in q's dtype and lse2 [B, H, Tq] (float32, base 2).
+      o [B, Tq, H, D] (in `out_dtype`) and lse2 [B, H, Tq] (float32, base 2).
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
@@ -150,7 +150,7 @@ def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpr
             pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_blocks - 1 - i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
             jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

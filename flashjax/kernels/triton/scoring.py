@@ -137,13 +137,14 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=N
     return acc, m_new, l
 
 
-def visit_tiles(block_range: BlockRange, step, carry, *, lower_boundary: bool, upper_boundary: bool):
+def visit_tiles(block_range: BlockRange, step, carry, lower_boundary: bool, upper_boundary: bool):
     """Runs `step(i, carry, masked)` over the tiles of a range.
 
     Tiles [lo, full_lo) and [full_hi, hi) sit on the mask's boundary and are
     computed with the elementwise mask; [full_lo, full_hi) are entirely visible
     and skip it. A side whose boundary can never hold tiles (static knowledge
-    from the mask spec) is not emitted at all, so it costs no code.
+    from the mask spec: `MaskSpec.kv_boundaries` / `q_boundaries`) is not emitted
+    at all, so it costs no code.
     """
     lo, full_lo, full_hi, hi = block_range
     if lower_boundary:
