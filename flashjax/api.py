@@ -31,6 +31,7 @@ def flash_attention(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     broadcast_dropout: bool = False,
+    float32_residual: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
     config=None,
@@ -96,6 +97,11 @@ def flash_attention(
         static Python number; the rng a ``jax.random`` key.
       broadcast_dropout: one dropout mask shared by every batch row and head
         (Flax's ``broadcast_dropout=True``).
+      float32_residual: keep the output in float32 for the backward (4 bytes per output
+        element until the backward runs). The backward's ``delta = rowsum(dO * O)`` then
+        does not see O rounded to bf16/fp16, which in very peaked rows (huge logits)
+        cancels against ``P * dP`` and can cost dq and dk most of their accuracy; with it
+        they are as accurate as the float32 reference's. Triton and xla backends.
       return_lse: also return the row logsumexp ``[batch, heads, q_len]`` (natural
         log; float32, or the inputs' dtype when wider; ``-inf`` for rows without keys).
       backend: ``"auto"`` (default), or a registered backend: ``"mosaic"`` (Hopper
@@ -124,7 +130,7 @@ def flash_attention(
     call, extras, params = _prepare(
         q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids, q_lengths=q_lengths,
         kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, float32_residual=float32_residual,
     )
     choice = backends.choose(call, backend, config)
     params = AttentionParams(
@@ -172,13 +178,14 @@ def _attention(q, k, v, extras, params):
 
 def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment_ids=None, q_lengths=None,
              kv_lengths=None, window=None, softcap=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-             broadcast_dropout=False):
+             broadcast_dropout=False, float32_residual=False):
     """Checks the arguments; returns (Call, Extras, AttentionParams fields without the backends)."""
     checks.check_qkv(q, k, v)
     batch, seq_q, heads, head_dim = q.shape
     seq_k = k.shape[1]
-    if not isinstance(causal, (bool, jnp.bool_)):
-        raise ValueError(f"causal must be a bool, got {causal!r}.")
+    for name, flag in (("causal", causal), ("broadcast_dropout", broadcast_dropout), ("float32_residual", float32_residual)):
+        if not isinstance(flag, (bool, jnp.bool_)):
+            raise ValueError(f"{name} must be a bool, got {flag!r}.")
     scale = checks.check_scale(scale, head_dim)
     window = checks.check_window(window)
     softcap = checks.check_softcap(softcap)
@@ -203,11 +210,11 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
     call = Call(
         batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=k.shape[2], head_dim=head_dim,
         dtype=jnp.dtype(q.dtype), causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,
-        arrays=frozenset(name for name, value in given.items() if value is not None),
+        float32_residual=bool(float32_residual), arrays=frozenset(name for name, value in given.items() if value is not None),
         platform=platform, compute_capability=capability,
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,
-        broadcast_dropout=bool(broadcast_dropout), interpret=platform != "gpu",
+        broadcast_dropout=bool(broadcast_dropout), float32_residual=bool(float32_residual), interpret=platform != "gpu",
     )
     return call, extras, params

@@ -38,12 +38,15 @@ def attention(q, k, v, extras: Extras, params: AttentionParams):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, extras: Extras, params: AttentionParams):
-    return backends.get(params.backend).forward(q, k, v, extras, params, params.config)
+    o, lse = backends.get(params.backend).forward(q, k, v, extras, params, params.config)
+    return o.astype(q.dtype), lse
 
 
 def _attention_fwd(q, k, v, extras: Extras, params: AttentionParams):
+    # With params.float32_residual the forward's o is float32: the backward's delta =
+    # rowsum(dO * O) then does not see O's rounding to the input dtype.
     o, lse = backends.get(params.backend).forward(q, k, v, extras, params, params.config)
-    return (o, lse), (q, k, v, extras, o, lse)
+    return (o.astype(q.dtype), lse), (q, k, v, extras, o, lse)
 
 
 def _attention_bwd(params: AttentionParams, residuals, cotangents):

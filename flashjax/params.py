@@ -64,7 +64,7 @@ class Call:
     Attributes:
       batch, seq_q, seq_k, heads, kv_heads, head_dim: the problem's shape.
       dtype: of q, k, v.
-      causal, window, softcap, dropout_rate: the static options.
+      causal, window, softcap, dropout_rate, float32_residual: the static options.
       arrays: names of the optional arrays given (a subset of ARRAY_OPTIONS).
       platform: JAX's default backend ("gpu", "cpu", ...).
       compute_capability: of the first GPU ("9.0" on Hopper), "" elsewhere.
@@ -81,6 +81,7 @@ class Call:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     dropout_rate: float = 0.0
+    float32_residual: bool = False
     arrays: frozenset[str] = frozenset()
     platform: str = "cpu"
     compute_capability: str = ""
@@ -99,6 +100,8 @@ class Call:
             used.append("softcap")
         if self.dropout_rate > 0.0:
             used.append("dropout")
+        if self.float32_residual:
+            used.append("float32_residual")
         return used
 
 
@@ -113,6 +116,7 @@ class AttentionParams:
       softcap: if set, logits = softcap * tanh(logits / softcap) (before the bias).
       dropout_rate: probability of dropping an attention weight.
       broadcast_dropout: one dropout mask for all batch rows and heads (Flax's default).
+      float32_residual: the forward returns o in float32, kept for the backward's delta.
       backend: the registered backend that runs the forward, and `config` its config.
       backward_backend: the one that runs the backward, and `backward_config` its config.
       interpret: run the Pallas kernels in interpret mode (CPU).
@@ -124,6 +128,7 @@ class AttentionParams:
     softcap: float | None = None
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
+    float32_residual: bool = False
     backend: str = "triton"
     config: Any = None
     backward_backend: str = "triton"
