@@ -1,19 +1,27 @@
-"""The attention benchmark of BRIEF.md: flashjax against its peers, one process, one run.
+"""The attention benchmark: flashjax against its peers, one process, one run.
 
     python benchmarks/attention.py                       # the standard sweep
     python benchmarks/attention.py --seqlens 1024,4096,16384 --configs d128,gqa \\
         --modes fwd,fwdbwd --causal both --impls flashjax,cudnn,pallas_mha
+    python benchmarks/attention.py --impls flashjax_mosaic --mosaic-config bwd_dq=accumulate \\
+        --out /tmp/accumulate.json                       # a non-default MosaicConfig, in its own file
     python benchmarks/attention.py --smoke --out /tmp/bench   # CPU: tiny, interpret mode
 
-Protocol: bfloat16, 16384 tokens per batch (B = 16384 // T); FLOPs 4*B*H*Tq*Tk*D for the
-forward, halved when causal, and 3.5x that for forward+backward (jax.grad of
-sum(out * cotangent) w.r.t. q, k, v). Each cell is compiled once (the compiled
-executable gives the memory analysis and is what is timed), checked against
-`flashjax.reference` on the last query rows of batch row 0 (output, and dq for
-forward+backward; rows of causal attention aligned bottom-right only depend on their
-own query, so a slice of the real problem is an exact check), warmed up twice, then
-timed as the median of >= 10 repetitions of a few back-to-back calls ended by
+The protocol is the one of `flashjax.benchmark` (its module docstring): bfloat16,
+16384 tokens per batch (B = 16384 // T); FLOPs 4*B*H*Tq*Tk*D for the forward, halved
+when causal, and 3.5x that for forward+backward (jax.grad of sum(out * cotangent)
+w.r.t. q, k, v). Each cell is compiled once (the compiled executable gives the memory
+analysis and is what is timed), checked against `flashjax.reference` on the last
+query rows of batch row 0 (the output, or dq for forward+backward), warmed up twice,
+then timed as the median of >= 10 repetitions of a few back-to-back calls ended by
 `block_until_ready`. A peer that fails is recorded with its error, never a crash.
+
+`flashjax` is flash_attention(backend="triton") and `flashjax_mosaic` is
+backend="mosaic" (the Hopper kernels), each with its backend's tuned config;
+`--triton-config fwd.block_k=64,dq.num_warps=4` and `--mosaic-config
+bwd_dq=accumulate,stages=3` override fields of that config (for every head dim of
+the sweep). Cells with overrides keep their usual keys, so such a run needs `--out`:
+compare two configs by running twice into two files.
 
 Results are merged into benchmarks/results/<device>.json (cells keyed by config, T,
 causal, mode and implementation), so a sweep may be run in pieces (`--resume` skips
@@ -27,25 +35,40 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import datetime
 import importlib.util
 import json
-import math
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashjax.config import device_slug  # noqa: E402  (file names shared with the library's tuning table)
+from flashjax.benchmark import (  # noqa: E402  (the protocol: flashjax/benchmark.py)
+    CHECK_ROWS,
+    MODES,
+    TOKENS,
+    TOLERANCE,
+    Cell,
+    Checker,
+    causal_values,
+    cell_key,
+    compile_cell,
+    config_overrides,
+    is_oom,
+    load_results,
+    make_inputs,
+    median_time,
+    parse_list,
+    parse_seq,
+    record,
+    results_path,
+    save_results,
+    short_error,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-TOKENS = 16384
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 # name -> (heads, kv_heads, head_dim); H * D = 2048 except head dim 256 (H = 8).
 CONFIGS = {
@@ -55,119 +78,23 @@ CONFIGS = {
     "d256": (8, 8, 256),
 }
 SMOKE_CONFIGS = {"smoke": (2, 1, 32)}
-MODES = ("fwd", "fwdbwd")
 IMPLS = ("flashjax", "flashjax_mosaic", "cudnn", "xla", "pallas_mha", "tokamax_mosaic", "tokamax_triton", "fa3", "torch_fa2")
-CHECK_ROWS = 256  # query rows of batch row 0 compared with the reference
-TOLERANCE = 2e-2  # relative (Frobenius) error allowed for bf16 against the float32 reference
 XLA_SCORE_LIMIT = 40e9  # bytes of materialised scores beyond which XLA is marked "oom" unrun
 
 
-# ---- the protocol, shared with torch_sdpa.py and tune.py ---------------------------------
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    """One measurement: a problem (config, T, causal), a mode and an implementation."""
-
-    config: str
-    heads: int
-    kv_heads: int
-    head_dim: int
-    seq: int
-    causal: bool
-    mode: str
-    impl: str
-    tokens: int = TOKENS
-
-    @property
-    def batch(self) -> int:
-        return max(1, self.tokens // self.seq)
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    @property
-    def key(self) -> str:
-        return cell_key(self.config, self.seq, self.causal, self.mode, self.impl)
-
-    def flops(self) -> float:
-        return flops(self.batch, self.heads, self.seq, self.seq, self.head_dim, self.causal, self.mode)
-
-
-def cell_key(config: str, seq: int, causal: bool, mode: str, impl: str) -> str:
-    """The JSON key of a cell, e.g. ``d128/T4096/causal/fwdbwd/flashjax``."""
-    return f"{config}/T{seq}/{'causal' if causal else 'full'}/{mode}/{impl}"
-
-
-def flops(batch, heads, seq_q, seq_k, head_dim, causal, mode="fwd") -> float:
-    """FLOPs of BRIEF.md: 4*B*H*Tq*Tk*D forward, halved if causal; x3.5 for fwd+bwd."""
-    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim / (2.0 if causal else 1.0)
-    return fwd * (3.5 if mode == "fwdbwd" else 1.0)
-
-
-def inner_calls(seconds_per_call: float) -> int:
-    """Back-to-back calls per repetition: enough to hide the launch gap of short calls."""
-    return 5 if seconds_per_call < 1e-3 else 3 if seconds_per_call < 1e-2 else 2 if seconds_per_call < 5e-2 else 1
-
-
-def median_time(call, sync, *, reps: int = 10, warmup: int = 2):
-    """Median seconds per call over `reps` repetitions of a few back-to-back calls + `sync`.
-
-    `call()` launches the work and returns what `sync` waits on. Returns (median, times, inner).
-    """
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        sync(call())
-    per_call = (time.perf_counter() - t0) / max(warmup, 1)
-    inner = inner_calls(per_call)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = call()
-        sync(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return float(np.median(times)), times, inner
-
-
-def rel_err(a, b) -> float:
-    """Relative Frobenius error of `a` against `b`, in float64 (nan if either is not finite)."""
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    if not (np.isfinite(a).all() and np.isfinite(b).all()):
-        return float("nan")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-
-
-def parse_list(text: str, allowed, kind: str, convert=str):
-    """'a,b' -> [a, b], checked against `allowed` (None = anything)."""
-    items = [convert(x.strip()) for x in text.split(",") if x.strip()]
-    if allowed is not None:
-        bad = [x for x in items if x not in allowed]
-        if bad:
-            raise SystemExit(f"unknown {kind} {bad}; choose from {list(allowed)}")
-    return items
-
-
-def parse_seq(text: str) -> int:
-    """'4k' -> 4096, '16384' -> 16384."""
-    text = text.lower()
-    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
-
-
-def causal_values(text: str) -> list[bool]:
-    return {"both": [False, True], "yes": [True], "true": [True], "no": [False], "false": [False]}[text.lower()]
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Command-line flags, shared by this benchmark and benchmarks/torch_sdpa.py."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="e.g. 1024,4096,16k")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--modes", default=",".join(MODES), help="fwd,fwdbwd")
     p.add_argument("--causal", default="both", help="both | yes | no")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--triton-config", default="", metavar="FIELD=VALUE,...",
+                   help="TritonConfig overrides for the flashjax impl, e.g. fwd.block_k=64,dkv.num_warps=4")
+    p.add_argument("--mosaic-config", default="", metavar="FIELD=VALUE,...",
+                   help="MosaicConfig overrides for the flashjax_mosaic impl, e.g. bwd_dq=accumulate,stages=3")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (>= 10 for the protocol)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
     p.add_argument("--out", default=None, help="results directory or .json file (default benchmarks/results/)")
@@ -202,51 +129,6 @@ def plan(args) -> list[Cell]:
     return cells
 
 
-def results_path(out: str | None, device: str) -> Path:
-    if out is None:
-        return RESULTS_DIR / f"{device_slug(device)}.json"
-    path = Path(out)
-    return path if path.suffix == ".json" else path / f"{device_slug(device)}.json"
-
-
-def load_results(path: Path) -> dict:
-    if path.exists():
-        with open(path) as f:
-            return json.load(f)
-    return {"cells": {}}
-
-
-def save_results(path: Path, results: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def record(cell: Cell, status: str, **fields) -> dict:
-    """The JSON record of one cell."""
-    entry = dict(
-        config=cell.config, heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
-        batch=cell.batch, seq=cell.seq, causal=cell.causal, mode=cell.mode, impl=cell.impl,
-        status=status, flops=cell.flops(), time=datetime.datetime.now().isoformat(timespec="seconds"),
-    )
-    entry.update(fields)
-    if entry.get("median_ms"):
-        entry["tflops"] = cell.flops() / (entry["median_ms"] * 1e-3) / 1e12
-    return entry
-
-
-def short_error(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
-    return text[:300]
-
-
-def is_oom(e: BaseException) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
-
-
 # ---- the implementations (JAX) -----------------------------------------------------------
 class Unsupported(Exception):
     """A cell an implementation cannot run by design (recorded as 'unsupported')."""
@@ -262,23 +144,48 @@ def _interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def impl_fn(cell: Cell):
-    """(fn, note): fn(q, k, v) -> out [B, T, H, D] for the cell's implementation."""
+# flashjax's implementations: impl -> (backend, the flag that overrides its config).
+FLASHJAX_BACKENDS = {"flashjax": ("triton", "triton_config"), "flashjax_mosaic": ("mosaic", "mosaic_config")}
+
+
+def flashjax_config(impl: str, head_dim: int, overrides: dict | None):
+    """The config a flashjax impl runs with: None (the backend's tuned default), or that
+    default with the impl's ``"field=value,..."`` overrides applied."""
+    text = (overrides or {}).get(impl, "")
+    if not text:
+        return None
+    import jax.numpy as jnp
+
+    from flashjax import MosaicConfig, TritonConfig
+
+    default = TritonConfig.default(head_dim, jnp.bfloat16) if impl == "flashjax" else MosaicConfig.default(head_dim)
+    return config_overrides(default, text)
+
+
+def impl_fn(cell: Cell, overrides: dict | None = None):
+    """(fn, note): fn(q, k, v) -> out [B, T, H, D] for the cell's implementation.
+
+    `overrides`: {impl: "field=value,..."} for the flashjax impls' configs.
+    """
     import jax
     import jax.numpy as jnp
 
     causal, scale = cell.causal, cell.scale
-    if cell.impl == "flashjax":
+    if cell.impl in FLASHJAX_BACKENDS:
         import flashjax
 
-        return (lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, scale=scale, backend="triton")), ""
-    if cell.impl == "flashjax_mosaic":
-        import flashjax
-
-        if _interpret():
-            raise Unsupported("the Mosaic GPU (Hopper) kernels need an sm90 GPU")
-        note = "head_dim 256: Triton backward" if cell.head_dim > 128 and cell.mode == "fwdbwd" else ""
-        return (lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal, scale=scale, backend="mosaic")), note
+        backend = FLASHJAX_BACKENDS[cell.impl][0]
+        config = flashjax_config(cell.impl, cell.head_dim, overrides)
+        q = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.heads, cell.head_dim), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.kv_heads, cell.head_dim), jnp.bfloat16)
+        try:  # the backend's own reasons when it cannot run the cell (e.g. no sm90 GPU for mosaic)
+            choice = flashjax.explain(q, kv, kv, causal=causal, scale=scale, backend=backend, config=config)
+        except NotImplementedError as e:  # "backend=... cannot run this call: REASONS. Use backend='auto' ..."
+            raise Unsupported(str(e).split("cannot run this call: ", 1)[-1].split(". Use backend=", 1)[0]) from None
+        moved = cell.mode == "fwdbwd" and choice.backward_backend != choice.backend
+        note = f"backward on {choice.backward_backend}" if moved else ""
+        return (lambda q, k, v: flashjax.flash_attention(
+            q, k, v, causal=causal, scale=scale, backend=backend, config=config)), note
     if cell.impl in ("cudnn", "xla"):
         if cell.impl == "xla":
             scores = cell.batch * cell.heads * cell.seq * cell.seq
@@ -316,89 +223,16 @@ def impl_fn(cell: Cell):
     raise Unsupported(f"{cell.impl} is not a JAX implementation")
 
 
-def make_inputs(cell: Cell, seed: int = 0):
-    """bf16 (q, k, v, do) for the cell's problem; do is the random cotangent of fwd+bwd."""
-    import jax
-    import jax.numpy as jnp
-
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    b, t, d = cell.batch, cell.seq, cell.head_dim
-    q = jax.random.normal(ks[0], (b, t, cell.heads, d), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (b, t, cell.kv_heads, d), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (b, t, cell.kv_heads, d), jnp.bfloat16)
-    do = jax.random.normal(ks[3], (b, t, cell.heads, d), jnp.bfloat16)
-    return q, k, v, do
-
-
-def timed_fn(cell: Cell, fn):
-    """What is timed: the forward, or grad of sum(out * do) w.r.t. (q, k, v)."""
-    import jax
-    import jax.numpy as jnp
-
-    if cell.mode == "fwd":
-        return lambda q, k, v, do: fn(q, k, v)
-
-    def loss(q, k, v, do):
-        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-
-    return jax.grad(loss, argnums=(0, 1, 2))
-
-
-def compile_cell(cell: Cell, args):
-    """(compiled, note, temp_bytes): compiled once, reused for memory analysis and timing."""
-    import jax
-
-    fn, note = impl_fn(cell)
-    compiled = jax.jit(timed_fn(cell, fn)).lower(*args).compile()
-    temp = None
-    try:
-        analysis = compiled.memory_analysis()
-        temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
-    except Exception:  # some backends have no memory analysis: the cell still times
-        pass
+def prepare_cell(cell: Cell, args, overrides: dict | None = None):
+    """(compiled, note, temp_bytes) of the cell's implementation: compiled once, for the
+    memory analysis and the timing."""
+    fn, note = impl_fn(cell, overrides)
+    compiled, temp = compile_cell(cell, fn, args)
     return compiled, note, temp
 
 
-class Checker:
-    """The float32 reference on the last CHECK_ROWS query rows of batch row 0, per problem."""
-
-    def __init__(self):
-        self._cache = {}
-
-    def expected(self, cell: Cell, q, k, v, do):
-        import jax
-        import jax.numpy as jnp
-
-        from flashjax import reference
-
-        key = (cell.config, cell.seq, cell.causal, cell.mode)
-        if key not in self._cache:
-            rows = min(CHECK_ROWS, cell.seq)
-            kv_heads = min(cell.kv_heads, 2)
-            heads = kv_heads * (cell.heads // cell.kv_heads)
-            f32 = lambda x: x.astype(jnp.float32)
-            qs, dos = f32(q[:1, -rows:, :heads]), f32(do[:1, -rows:, :heads])
-            ks, vs = f32(k[:1, :, :kv_heads]), f32(v[:1, :, :kv_heads])
-
-            # With Tq < Tk, causal attention is aligned bottom-right: the last `rows`
-            # queries against all keys see exactly the keys they see in the full problem.
-            def ref(q_):
-                return reference.attention(q_, ks, vs, causal=cell.causal, scale=cell.scale)
-
-            out, vjp = jax.vjp(ref, qs)
-            dq = vjp(dos)[0] if cell.mode == "fwdbwd" else None
-            self._cache = {key: (rows, heads, np.asarray(out), None if dq is None else np.asarray(dq))}
-        return self._cache[key]
-
-    def check(self, cell: Cell, result, q, k, v, do) -> dict:
-        """Relative errors {name: err} of the cell's output (fwd) or dq (fwd+bwd)."""
-        rows, heads, out, dq = self.expected(cell, q, k, v, do)
-        if cell.mode == "fwd":
-            return {"out": rel_err(result[:1, -rows:, :heads], out)}
-        return {"dq": rel_err(result[0][:1, -rows:, :heads], dq)}
-
-
-def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int, memory_limit) -> list[dict]:
+def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int, memory_limit,
+            overrides: dict | None = None) -> list[dict]:
     """Compiles a row's cells (same problem) concurrently, then checks and times them one by one."""
     import jax
 
@@ -408,7 +242,7 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
 
     def prepare(cell):
         try:
-            return cell, compile_cell(cell, args), None
+            return cell, prepare_cell(cell, args, overrides), None
         except Exception as e:  # recorded below; a peer never stops the sweep
             return cell, None, e
 
@@ -422,7 +256,7 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
         compiled, error = prepared[cell]
         if error is not None and workers > 1 and not isinstance(error, (Unsupported, EstimatedOOM, ImportError)):
             try:  # concurrent compilation is a speed-up, never a cause of failure: retry alone
-                compiled, error = compile_cell(cell, args), None
+                compiled, error = prepare_cell(cell, args, overrides), None
             except Exception as e:
                 error = e
         if isinstance(error, Unsupported):
@@ -439,6 +273,8 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
             continue
         executable, note, temp = compiled
         fields = dict(temp_bytes=temp, note=note)
+        if (overrides or {}).get(cell.impl):
+            fields["config_overrides"] = overrides[cell.impl]
         if temp is not None and memory_limit and temp > memory_limit:
             entries.append(record(cell, "oom", error=f"temp {temp / 1e9:.1f} GB > device limit", **fields))
             continue
@@ -569,14 +405,35 @@ def problems(entries: list[dict]) -> str:
 
 
 # ---- main -----------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """Runs the sweep the flags describe, prints the table and writes the results JSON."""
+def config_flags(args, cells: list[Cell]) -> dict:
+    """{impl: overrides} of --triton-config / --mosaic-config, checked on every head dim of
+    the sweep before anything runs (a typo stops here, not as error cells)."""
+    overrides = {impl: getattr(args, flag) for impl, (_, flag) in FLASHJAX_BACKENDS.items() if getattr(args, flag)}
+    if overrides and args.out is None:
+        raise SystemExit("--triton-config/--mosaic-config measure a non-default config under the usual cell keys: "
+                         "pass --out so that benchmarks/results/<device>.json keeps the defaults' measurements")
+    for impl in overrides:
+        for head_dim in sorted({c.head_dim for c in cells if c.impl == impl}):
+            try:
+                flashjax_config(impl, head_dim, overrides)
+            except (ValueError, TypeError) as e:
+                flag = "--" + FLASHJAX_BACKENDS[impl][1].replace("_", "-")
+                raise SystemExit(f"{flag} {overrides[impl]!r} at head_dim {head_dim}: {e}") from None
+    return overrides
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Runs the sweep the flags describe, prints the table and writes the results JSON.
+
+    `prog`: the command name shown in --help (``flashjax bench`` runs this main).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     if args.smoke:
         args.reps = min(args.reps, 2)
     start = time.perf_counter()
     cells = plan(args)
+    overrides = config_flags(args, cells)
 
     # PyTorch first, while JAX has not yet claimed the GPU (see the module docstring).
     torch_cells, torch_note = {}, ""
@@ -591,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     device = jax.devices()[0].device_kind
-    path = results_path(args.out, device)
+    path = results_path(RESULTS_DIR, args.out, device)
     results = {"cells": {}} if args.fresh else load_results(path)
     import flashjax
 
@@ -601,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         protocol=dict(tokens=256 if args.smoke else args.tokens, dtype="bfloat16", reps=args.reps, check_rows=CHECK_ROWS, tolerance=TOLERANCE,
                       flops="4*B*H*Tq*Tk*D fwd, /2 causal, x3.5 fwd+bwd"),
     )
+    if overrides:
+        results["config_overrides"] = overrides
     if torch_note:
         results["torch_device"] = torch_note
     results["cells"].update(torch_cells)
@@ -624,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if bar is not None:
                 bar.set_postfix_str(f"{config} T={seq} causal={causal}")
-            entries = run_row(row, args.compile_workers, checker, args.reps, memory_limit)
+            entries = run_row(row, args.compile_workers, checker, args.reps, memory_limit, overrides)
         for e in entries:
             key = cell_key(e["config"], e["seq"], e["causal"], e["mode"], e["impl"])
             if e["status"] != "skipped" or key not in results["cells"]:  # a skip never hides a measurement

@@ -14,7 +14,8 @@ Then, anywhere:
 `run` compiles and warms each (cell, implementation) first, then profiles exactly one
 jitted forward+backward call per window (cuProfilerStart/Stop around it), in the
 order it prints; a one-thread marker kernel opens each window so `summarize` can
-tell the windows apart. Shapes follow BRIEF.md: bf16, D=128, H=16, 16384 tokens.
+tell the windows apart. Problems and inputs are those of `flashjax.benchmark` (bf16,
+16384 tokens per batch) at D=128, H=16.
 `summarize` prints, per window, each kernel's time, the FLOPs its matrix products
 perform (not the credited count: the recomputing backward does more) and the
 counters that say what bounds it.
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 
 MARKER = "flashjax_window_marker"
-TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
+HEADS, HEAD_DIM = 16, 128
 
 # Matrix products each kernel performs, in units of 2*B*H*Tq*Tk*D (one Tq x Tk x D product),
 # before halving for causal. Forward: S, PV. dK/dV: S^T, dP^T, dV, dK. dQ: S, dP, dQ.
@@ -46,14 +47,37 @@ def parse_cells(text):
     return cells
 
 
-def run(args):
-    import jax
+def parse_impls(text):
+    """'mosaic:bwd_dq=accumulate,stages=3,cudnn' -> ['mosaic:bwd_dq=accumulate,stages=3', 'cudnn']:
+    a FIELD=VALUE item continues the implementation before it."""
+    impls = []
+    for item in text.split(","):
+        if "=" in item and ":" not in item and impls:
+            impls[-1] += "," + item
+        else:
+            impls.append(item)
+    return impls
+
+
+def flashjax_config(backend: str, fields: str):
+    """None (the tuned default), or the backend's default config at HEAD_DIM with "field=value,..." applied."""
+    if not fields:
+        return None
     import jax.numpy as jnp
 
+    from flashjax import MosaicConfig, TritonConfig
+    from flashjax.benchmark import config_overrides
+
+    default = MosaicConfig.default(HEAD_DIM) if backend == "mosaic" else TritonConfig.default(HEAD_DIM, jnp.bfloat16)
+    return config_overrides(default, fields)
+
+
+def run(args):
+    import jax
+
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import flashjax
-    from mosaic_quick import config_with
+    from flashjax.benchmark import Cell, make_inputs, timed_fn
 
     cuda = ctypes.CDLL("libcuda.so.1")
     marker = None
@@ -66,19 +90,18 @@ def run(args):
 
     windows = []
     for seq, causal in parse_cells(args.cells):
-        batch = max(1, TOKENS // seq)
-        keys = jax.random.split(jax.random.PRNGKey(seq), 4)
-        q, k, v, do = (jax.random.normal(key, (batch, seq, HEADS, HEAD_DIM), jnp.bfloat16) for key in keys)
-        for impl in args.impls.split(","):
+        cell = Cell(f"d{HEAD_DIM}", HEADS, HEADS, HEAD_DIM, seq, causal, "fwdbwd", "profile")
+        batch = cell.batch
+        q, k, v, do = make_inputs(cell, seed=seq)
+        for impl in parse_impls(args.impls):
             if impl == "cudnn":
                 attend = lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
             else:
-                # "mosaic:bwd_dq=accumulate": MosaicConfig fields after the colon.
+                # "mosaic:bwd_dq=accumulate": config fields after the colon (flashjax.benchmark.config_overrides).
                 backend, _, fields = impl.partition(":")
-                config = config_with(fields, HEAD_DIM)
+                config = flashjax_config(backend, fields)
                 attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)
-            loss = lambda q, k, v, do, f=attend: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-            step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            step = jax.jit(timed_fn(cell, attend))  # jax.grad of sum(out * do) w.r.t. q, k, v
             for _ in range(3):
                 jax.block_until_ready(step(q, k, v, do))
             if marker is not None:
@@ -161,7 +184,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="the profiled program (start it under ncu)")
     r.add_argument("--cells", default="8192:no,16384:yes", help="SEQ:yes|no causal, comma-separated")
-    r.add_argument("--impls", default="mosaic,cudnn", help="flashjax backends (mosaic:FIELD=VALUE,... sets MosaicConfig fields) and/or cudnn")
+    r.add_argument("--impls", default="mosaic,cudnn", help="flashjax backends (mosaic:FIELD=VALUE,... sets MosaicConfig fields, "
+                        "triton:fwd.block_k=64,... TritonConfig fields) and/or cudnn")
     r.add_argument("--windows", default="", help="write the window list (JSON) here")
     s = sub.add_parser("summarize", help="read ncu's raw CSV log")
     s.add_argument("raw")

@@ -7,12 +7,13 @@
 Problem: bfloat16, B = 1, H = 16, D = 128, self-attention of length T, causal (the
 ring with zig-zag load balance) and not. Rows: "single" is `flash_attention` on
 one GPU with the whole sequence; "ring" is `flashjax.ring.ring_attention` with the
-sequence sharded over the N visible GPUs. FLOPs follow BRIEF.md (4*B*H*T*T*D forward,
-halved when causal, x3.5 for forward+backward); TFLOP/s per GPU divides the ring's
-by N, and the scaling efficiency is the ring's per-GPU TFLOP/s over the single GPU's.
-Each cell is compiled once, checked against the float32 reference on the last
-query rows (output, or dq for forward+backward), warmed up, then timed as the
-median of `--reps` calls ended by `block_until_ready`. Cells past the time budget
+sequence sharded over the N visible GPUs. Inputs, FLOPs (4*B*H*T*T*D forward,
+halved when causal, x3.5 for forward+backward), the check and the timing are those of
+`flashjax.benchmark` (its docstring has the protocol); TFLOP/s per GPU divides the
+ring's by N, and the scaling efficiency is the ring's per-GPU TFLOP/s over the single
+GPU's. Each cell is compiled once, checked against the float32 reference on the last
+query rows (output, or dq for forward+backward; a mismatch is not timed), warmed up
+once, then timed as the median of `--reps` repetitions. Cells past the time budget
 (`--budget`, default 360 s) are recorded as skipped, so the run stays under 8 minutes
 (the last cell started, 128k forward+backward on one GPU, takes well under a minute).
 
@@ -30,23 +31,18 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # before jax (and NCCL) load: see the docstring
 
 import argparse
+import dataclasses
 import datetime
-import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import device_slug, flops, median_time, rel_err  # noqa: E402  (the BRIEF.md protocol)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashjax import benchmark  # noqa: E402  (the protocol: flashjax/benchmark.py)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SEQLENS = (32768, 65536, 131072)
 HEADS, HEAD_DIM = 16, 128
-CHECK_ROWS = 128  # last query rows compared with the float32 reference
-CHECK_HEADS = 2
-TOLERANCE = 2e-2
 
 
 def parse_args(argv=None):
@@ -70,13 +66,12 @@ def main(argv=None):
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import flashjax
-    from flashjax import reference
     from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
 
     heads, head_dim, dtype = (2, 32, jnp.float32) if args.smoke else (HEADS, HEAD_DIM, jnp.bfloat16)
-    seqlens = [256] if args.smoke else [int(t) for t in args.seqlens.split(",")]
-    modes = args.modes.split(",")
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    seqlens = [256] if args.smoke else benchmark.parse_list(args.seqlens, None, "seqlen", benchmark.parse_seq)
+    modes = benchmark.parse_list(args.modes, benchmark.MODES, "mode")
+    causals = benchmark.causal_values(args.causal)
     devices = jax.devices()
     n = len(devices)
     device = devices[0].device_kind
@@ -86,6 +81,7 @@ def main(argv=None):
     backend = "triton" if args.smoke else "auto"
     start = time.perf_counter()
     entries = []
+    checker = benchmark.Checker()
 
     def attend(impl, causal):
         if impl == "single":
@@ -93,20 +89,13 @@ def main(argv=None):
         # Causal inputs arrive in zig-zag order (see below); the check restores the output.
         return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=causal, backend=backend)
 
-    def timed(fn, mode):
-        if mode == "fwd":
-            return lambda q, k, v, do: fn(q, k, v)
-        loss = lambda q, k, v, do: jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2))
-
     for seq in seqlens:
-        key = jax.random.split(jax.random.key(seq), 4)
-        shape = (1, seq, heads, head_dim)
-        host = [jax.random.normal(kk, shape, dtype) for kk in key]
+        problem = benchmark.Cell("ring", heads, heads, head_dim, seq, False, "fwd", "single", tokens=seq)  # B = 1
+        host = benchmark.make_inputs(problem, seed=seq, dtype=dtype)  # q, k, v, do of every cell of this T
         for causal in causals:
-            expected = {}
             for mode in modes:
                 for impl in ("single", "ring"):
+                    cell = dataclasses.replace(problem, causal=causal, mode=mode, impl=impl)
                     entry = dict(impl=impl, seq=seq, causal=causal, mode=mode, devices=1 if impl == "single" else n,
                                  heads=heads, head_dim=head_dim, dtype=jnp.dtype(dtype).name)
                     entries.append(entry)
@@ -118,24 +107,23 @@ def main(argv=None):
                         inputs = host
                         if impl == "ring" and causal:  # the layout load balancing expects
                             inputs = [zigzag_order(x, n) for x in host]
-                        q, k, v, do = (jax.device_put(x, sharding) for x in inputs)
-                        compiled = jax.jit(timed(attend(impl, causal), mode)).lower(q, k, v, do).compile()
-                        result = compiled(q, k, v, do)
+                        args_ = tuple(jax.device_put(x, sharding) for x in inputs)
+                        compiled, entry["temp_bytes"] = benchmark.compile_cell(cell, attend(impl, causal), args_)
+                        result = compiled(*args_)
                         got = result if mode == "fwd" else result[0]
                         if impl == "ring" and causal:
                             got = zigzag_restore(got, n)
-                        if mode not in expected:
-                            expected[mode] = _reference_rows(reference, jnp, jax, host, causal, mode)
-                        entry["rel_err"] = rel_err(np.asarray(got[:1, -CHECK_ROWS:, :CHECK_HEADS], np.float32), expected[mode])
+                        entry["rel_err"] = checker.check(cell, got if mode == "fwd" else (got,), *host)
                         del result, got
-                        seconds, times, _ = median_time(lambda: compiled(q, k, v, do), jax.block_until_ready,
-                                                        reps=args.reps, warmup=1)
-                        total = flops(1, heads, seq, seq, head_dim, causal, mode)
-                        per_gpu = total / entry["devices"] / seconds / 1e12
-                        entry.update(status="ok" if entry["rel_err"] <= TOLERANCE else "wrong", seconds=seconds,
-                                     times=times, tflops_per_gpu=per_gpu)
+                        if not all(e < benchmark.TOLERANCE for e in entry["rel_err"].values()):  # nan fails too
+                            entry.update(status="mismatch", error=f"rel err {entry['rel_err']} >= {benchmark.TOLERANCE}")
+                        else:
+                            seconds, times, _ = benchmark.median_time(lambda: compiled(*args_), jax.block_until_ready,
+                                                                      reps=args.reps, warmup=1)
+                            per_gpu = cell.flops() / entry["devices"] / seconds / 1e12
+                            entry.update(status="ok", seconds=seconds, times=times, tflops_per_gpu=per_gpu)
                     except Exception as e:  # recorded, never a crash: the other cells still run
-                        entry.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                        entry.update(status="oom" if benchmark.is_oom(e) else "error", error=benchmark.short_error(e))
                     print(_row(entry), flush=True)
                 _efficiency(entries[-2:])
 
@@ -143,27 +131,11 @@ def main(argv=None):
         device=device, devices=n, jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
         nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"], wall_seconds=time.perf_counter() - start, entries=entries,
     )
-    out = Path(args.out) if args.out else RESULTS_DIR / f"ring-{device_slug(device)}-x{n}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = benchmark.results_path(RESULTS_DIR, args.out, f"{device} x{n}", prefix="ring-")
+    benchmark.save_results(out, report)
     print()
     print(_table(entries, n))
     print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
-
-
-def _reference_rows(reference, jnp, jax, host, causal, mode):
-    """The float32 reference's output (or dq) for the last CHECK_ROWS queries of the first heads.
-
-    Causal masks are aligned bottom-right, so the last rows against all keys see exactly
-    the keys they see in the full problem.
-    """
-    q, k, v, do = (x[:1, :, :CHECK_HEADS].astype(jnp.float32) for x in host)
-    q, do = q[:, -CHECK_ROWS:], do[:, -CHECK_ROWS:]
-    fn = lambda q_: reference.attention(q_, k, v, causal=causal)
-    if mode == "fwd":
-        return np.asarray(jax.jit(fn)(q))
-    out, pullback = jax.vjp(fn, q)
-    return np.asarray(pullback(do)[0])
 
 
 def _efficiency(pair):
@@ -175,10 +147,9 @@ def _efficiency(pair):
 
 def _row(e) -> str:
     what = f"T={e['seq']:>6} {'causal' if e['causal'] else 'full  '} {e['mode']:<6} {e['impl']:<6} x{e['devices']}"
-    if e.get("status") not in ("ok", "wrong"):
+    if e.get("status") != "ok":
         return f"{what}  {e.get('status')} {e.get('error', '')}"
-    return (f"{what}  {e['seconds'] * 1e3:9.1f} ms  {e['tflops_per_gpu']:6.1f} TF/s/GPU  err {e['rel_err']:.1e}"
-            + ("" if e["status"] == "ok" else "  WRONG"))
+    return f"{what}  {e['seconds'] * 1e3:9.1f} ms  {e['tflops_per_gpu']:6.1f} TF/s/GPU  err {max(e['rel_err'].values()):.1e}"
 
 
 def _table(entries, n) -> str:

@@ -1,10 +1,13 @@
-"""PyTorch FlashAttention-2 (`scaled_dot_product_attention`, FLASH_ATTENTION backend), timed
-with the protocol of benchmarks/attention.py.
+"""PyTorch FlashAttention-2 (`scaled_dot_product_attention`, FLASH_ATTENTION backend), measured
+with the protocol of `flashjax.benchmark`, like the JAX cells of benchmarks/attention.py.
 
-benchmarks/attention.py runs this in a subprocess before JAX starts: torch and JAX in
-one process would compete for GPU memory (each grabs a pool of its own). It takes the
-same flags plus ``--json PATH`` and writes ``{"device", "torch", "cells": {key: cell}}``
-in the format of attention.py's results, which the parent merges.
+benchmarks/attention.py runs this in a subprocess before JAX claims the GPU: torch and
+JAX in one process would compete for GPU memory (each grabs a pool of its own). Here JAX
+runs on the CPU only (JAX_PLATFORMS=cpu, set before it loads): it draws the cell's
+inputs (`benchmark.make_inputs`, the very inputs of the JAX cells) and checks torch's
+result against the float32 reference (`benchmark.Checker`); the GPU is torch's alone.
+It takes the same flags plus ``--json PATH`` and writes ``{"device", "torch", "cells":
+{key: cell}}`` in the format of attention.py's results, which the parent merges.
 
     python benchmarks/torch_sdpa.py --seqlens 1024,4096 --configs d128 --json /tmp/torch.json
 
@@ -14,13 +17,20 @@ refuses it, K/V are repeated (inside the timed call) and the cell says so.
 
 from __future__ import annotations
 
-import json
-import sys
-import time
-from pathlib import Path
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX loads: inputs and the reference only; the GPU is torch's
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import attention as protocol  # noqa: E402  (benchmarks/attention.py: shared cells, timing, FLOPs)
+import attention  # noqa: E402  (benchmarks/attention.py: the flags and the plan of the sweep)
+from flashjax import benchmark  # noqa: E402  (the protocol: flashjax/benchmark.py)
 
 
 def _device(torch) -> str:
@@ -33,13 +43,15 @@ def _sync(torch):
         torch.cuda.synchronize()
 
 
-def _inputs(torch, cell):
-    device = _device(torch)
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = lambda h: (cell.batch, h, cell.seq, cell.head_dim)
-    randn = lambda h: torch.randn(shape(h), generator=gen, device=device, dtype=torch.bfloat16)
-    q, k, v, do = randn(cell.heads), randn(cell.kv_heads), randn(cell.kv_heads), randn(cell.heads)
-    return q, k, v, do
+def _to_torch(torch, x, device):
+    """A JAX bfloat16 array [B, T, H, D] as a torch tensor [B, H, T, D] on `device` (same bits)."""
+    bits = np.array(x).view(np.int16)  # a writable copy: torch has no numpy bfloat16, int16 has its width
+    return torch.from_numpy(bits).view(torch.bfloat16).permute(0, 2, 1, 3).contiguous().to(device)
+
+
+def _rows_to_numpy(x, rows: int):
+    """The last `rows` query rows of batch row 0 of a torch [B, H, T, D] as float32 numpy [1, rows, H, D]."""
+    return x[:1, :, -rows:].detach().float().permute(0, 2, 1, 3).cpu().numpy()
 
 
 def _attention_fn(torch, cell, q, k, v):
@@ -68,60 +80,40 @@ def _attention_fn(torch, cell, q, k, v):
         return repeated, f"K/V repeated x{group} (inside the timed call): flash backend refused enable_gqa"
 
 
-def _reference(torch, cell, q, k, v, do, rows):
-    """float32 output and dq of the last `rows` queries of batch row 0 (causal aligned bottom-right)."""
-    kv_heads = min(cell.kv_heads, 2)
-    heads = kv_heads * (cell.heads // cell.kv_heads)
-    group = cell.heads // cell.kv_heads
-    qs = q[:1, :heads, -rows:].float().requires_grad_(True)
-    ks = k[:1, :kv_heads].float().repeat_interleave(group, dim=1)
-    vs = v[:1, :kv_heads].float().repeat_interleave(group, dim=1)
-    s = (qs @ ks.transpose(-1, -2)) * cell.scale
-    if cell.causal:
-        i = torch.arange(rows, device=q.device)[:, None] + (cell.seq - rows)
-        j = torch.arange(cell.seq, device=q.device)[None, :]
-        s = s.masked_fill(j > i, float("-inf"))
-    out = torch.softmax(s, dim=-1) @ vs
-    (dq,) = torch.autograd.grad(out, qs, do[:1, :heads, -rows:].float())
-    return heads, out.detach(), dq
-
-
-def run_cell(torch, cell, reps: int) -> dict:
+def run_cell(torch, cell, reps: int, checker: benchmark.Checker) -> dict:
     """Checks then times one cell; errors are recorded, never raised."""
     try:
-        q, k, v, do = _inputs(torch, cell)
+        inputs = benchmark.make_inputs(cell)
+        q, k, v, do = (_to_torch(torch, x, _device(torch)) for x in inputs)
         fn, note = _attention_fn(torch, cell, q, k, v)
         if cell.mode == "fwdbwd":
             q, k, v = (x.requires_grad_(True) for x in (q, k, v))
             call = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)
         else:
             call = lambda: fn(q, k, v)
-        rows = min(protocol.CHECK_ROWS, cell.seq)
-        heads, out_ref, dq_ref = _reference(torch, cell, q.detach(), k.detach(), v.detach(), do, rows)
-        with torch.no_grad() if cell.mode == "fwd" else torch.enable_grad():
+        grad_ctx = torch.no_grad if cell.mode == "fwd" else torch.enable_grad
+        with grad_ctx():
             result = call()
-        got, want = ((result[:1, :heads, -rows:], out_ref) if cell.mode == "fwd"
-                     else (result[0][:1, :heads, -rows:], dq_ref))
-        err = protocol.rel_err(got.float().cpu().numpy(), want.cpu().numpy())
-        fields = dict(rel_err={"out" if cell.mode == "fwd" else "dq": err}, note=note)
-        del result, out_ref, dq_ref
-        if not err < protocol.TOLERANCE:
-            return protocol.record(cell, "mismatch", error=f"rel err {err:.3g} >= {protocol.TOLERANCE}", **fields)
+        rows = min(benchmark.CHECK_ROWS, cell.seq)
+        got = _rows_to_numpy(result, rows) if cell.mode == "fwd" else (_rows_to_numpy(result[0], rows),)
+        errors = checker.check(cell, got, *inputs)
+        fields = dict(rel_err=errors, note=note)
+        del result, got
+        if not all(e < benchmark.TOLERANCE for e in errors.values()):  # nan fails too
+            return benchmark.record(cell, "mismatch", error=f"rel err {errors} >= {benchmark.TOLERANCE}", **fields)
         cuda = torch.cuda.is_available()
         _sync(torch)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        grad_ctx = torch.no_grad if cell.mode == "fwd" else torch.enable_grad
         with grad_ctx():
-            median, times, inner = protocol.median_time(call, lambda _: _sync(torch), reps=reps)
+            median, times, inner = benchmark.median_time(call, lambda _: _sync(torch), reps=reps)
         if cuda:  # the closest analogue of XLA's temp bytes: peak allocation beyond the inputs
             fields["temp_bytes"] = int(torch.cuda.max_memory_allocated() - base)
-        return protocol.record(cell, "ok", median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times],
-                               inner=inner, **fields)
+        return benchmark.record(cell, "ok", median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times],
+                                inner=inner, **fields)
     except Exception as e:
-        status = "oom" if "out of memory" in str(e).lower() else "error"
-        return protocol.record(cell, status, error=protocol.short_error(e))
+        return benchmark.record(cell, "oom" if benchmark.is_oom(e) else "error", error=benchmark.short_error(e))
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -129,22 +121,23 @@ def run_cell(torch, cell, reps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the torch cells of the sweep the flags describe and writes --json."""
-    parser = protocol.build_parser()
+    parser = attention.build_parser()
     parser.add_argument("--json", required=True, help="where to write the cells")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     args.impls = "torch_fa2"
     import torch
 
     start = time.perf_counter()
-    cells = protocol.plan(args)
+    cells = attention.plan(args)
+    checker = benchmark.Checker()
     entries = {}
     for cell in cells:
         if time.perf_counter() - start > args.budget_s:
-            entry = protocol.record(cell, "skipped", error=f"budget of {args.budget_s:.0f} s spent")
+            entry = benchmark.record(cell, "skipped", error=f"budget of {args.budget_s:.0f} s spent")
         elif not (torch.cuda.is_available() or args.smoke):
-            entry = protocol.record(cell, "unavailable", error="torch sees no CUDA device")
+            entry = benchmark.record(cell, "unavailable", error="torch sees no CUDA device")
         else:
-            entry = run_cell(torch, cell, args.reps)
+            entry = run_cell(torch, cell, args.reps, checker)
         entries[cell.key] = entry
         mark = f"{entry['tflops']:.0f} TFLOP/s" if entry["status"] == "ok" else f"{entry['status']} {entry.get('error', '')[:100]}"
         print(f"torch_fa2 {cell.key}: {mark}", file=sys.stderr, flush=True)

@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flashjax import benchmark  # noqa: E402  (results files and error kinds; nothing here touches a device)
+
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 MODEL = ["--d-model", "1024", "--heads", "8", "--layers", "4", "--dtype", "bfloat16", "--vocab", "64", "--lr", "1e-3"]
 
@@ -43,7 +46,7 @@ def run_one(attention: str, seq: int, tokens: int, steps: int, timeout: float) -
             summary.update(seq=seq, batch=batch, status="oom" if summary.get("oom") else "ok")
             return summary
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        oom = "RESOURCE_EXHAUSTED" in proc.stderr or "out of memory" in proc.stderr.lower()
+        oom = benchmark.is_oom(RuntimeError(proc.stderr))
         return {"attention": attention, "seq": seq, "batch": batch, "status": "oom" if oom else "error",
                 "error": " | ".join(tail)[:400]}
 
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="tokens per training step")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/train_lm-<device>.json)")
+    p.add_argument("--out", default=None, help="results .json or directory (default benchmarks/results/train_lm-<device>.json)")
     args = p.parse_args(argv)
 
     rows = []
@@ -76,12 +79,10 @@ def main(argv=None) -> int:
             rows.append(run_one(attention, seq, args.tokens, args.steps, args.timeout))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = next((r["device"] for r in rows if "device" in r), "unknown")
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    path = Path(args.out) if args.out else RESULTS_DIR / f"train_lm-{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="train_lm-")
     record = {"device": device, "date": datetime.date.today().isoformat(), "model": " ".join(MODEL),
               "tokens_per_step": args.tokens, "steps": args.steps, "rows": rows}
-    path.write_text(json.dumps(record, indent=1))
+    benchmark.save_results(path, record)
     print(f"\n{table(rows)}\n\nwrote {path}")
     return 0
 

@@ -1,7 +1,8 @@
-"""Benchmark of the attention variants (issue 3): skipping must show in the times.
+"""Benchmark of the attention variants: skipping must show in the times.
 
-Rows, bf16, D = 128, H = 16, forward and forward+backward, flashjax beside cuDNN
-(`jax.nn.dot_product_attention(implementation="cudnn")`) where cuDNN has the variant:
+Rows, bf16, D = 128, H = 16, forward and forward+backward, flashjax's backends beside
+cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) where cuDNN has the
+variant:
 
 * full row vs 4 packed documents per row (segment ids; cuDNN gets the equivalent
   block-diagonal boolean mask): the packed row should cost about a quarter;
@@ -10,114 +11,241 @@ Rows, bf16, D = 128, H = 16, forward and forward+backward, flashjax beside cuDNN
   (cuDNN: local_window_size);
 * an additive bias [1, H, T, T] (cuDNN: bias).
 
-FLOPs are those of the dense problem (4 B H T^2 D, x3.5 for fwd+bwd), so a
-variant that skips work shows an "effective" rate above the dense one; the
-`useful_fraction` column gives the fraction of (q, k) pairs that are visible.
+Implementations: `flashjax` is flash_attention(backend="triton"), `flashjax_mosaic`
+is backend="mosaic" (the Hopper kernels); a backend that does not support a variant
+(`flashjax.explain` says why) is recorded as unsupported, so variants appear in the
+Mosaic column as that backend gains them.
+
+Measured with `flashjax.benchmark` (its docstring has the protocol): each
+implementation's output (forward) or dq (forward+backward) is first checked against
+the float32 reference on CHECK_ROWS query rows of batch row 0 and two heads, with the
+variant's options cut to those rows (a mismatch is not timed), then timed as the
+median of >= 10 repetitions. FLOPs are those of the dense problem (4 B H T^2 D, x3.5
+for fwd+bwd), so a variant that skips work shows an "effective" rate above the dense
+one; the `useful_fraction` column gives the fraction of (q, k) pairs that are visible.
 
     python benchmarks/variants.py [--out benchmarks/results/variants-<device>.json] [--quick]
+    python benchmarks/variants.py --smoke --out /tmp/variants.json   # CPU: tiny, interpret mode
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import dataclasses
+import datetime
 import platform
-import time
+import sys
 import warnings
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-warnings.filterwarnings("ignore")
-import flashjax  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashjax import benchmark  # noqa: E402  (the protocol: flashjax/benchmark.py)
 
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM = 16, 128
+# impl -> flashjax backend; "cudnn" is jax.nn.dot_product_attention's.
+BACKENDS = {"flashjax": "triton", "flashjax_mosaic": "mosaic"}
+IMPLS = (*BACKENDS, "cudnn")
+MODES = ("fwd", "fwdbwd")
+CHECK_HEADS = 2
 
 
-def median_ms(f, *args, reps=10, inner=3):
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return 1e3 * float(np.median(times))
+@dataclasses.dataclass(frozen=True, eq=False)  # compared (and hashed) by identity: options hold arrays
+class Case:
+    """One row: a variant of the problem, as flashjax options and as cuDNN's (None: cuDNN lacks it)."""
+
+    name: str
+    seq: int
+    batch: int
+    options: dict
+    cudnn: dict | None
+    visible: float  # fraction of (q, k) pairs that are visible
+    check_end: int | None = None  # the checked query rows end here (None: the last rows)
+    heads: int = HEADS
+    head_dim: int = HEAD_DIM
 
 
-def timed(fn, q, k, v, do, mode):
-    if mode == "fwd":
-        return median_ms(jax.jit(fn), q, k, v)
-    grad = jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))
-    return median_ms(grad, q, k, v, do)
+def cases(quick: bool, smoke: bool = False) -> list[Case]:
+    """The rows; `smoke`: CPU-sized (H=2, D=32, T <= 512)."""
+    import jax
+    import jax.numpy as jnp
 
-
-def inputs(batch, seq):
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    return [jax.random.normal(kk, (batch, seq, HEADS, HEAD_DIM), jnp.bfloat16) for kk in ks]
-
-
-def cases(quick: bool):
-    """(name, T, batch, flashjax kwargs, cuDNN kwargs or None, visible fraction)."""
-    out = []
-    t = 16384
+    t, bias_t, window = (256, 128, 64) if smoke else (16384, 4096, 1024)
+    heads, head_dim = (2, 32) if smoke else (HEADS, HEAD_DIM)
     docs = 4
     seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None, :]
     doc_mask = seg[:, None, :, None] == seg[:, None, None, :]
-    out.append(("full", t, 1, {}, {}, 1.0))
-    out.append(("segments x4", t, 1, dict(segment_ids=seg), dict(mask=doc_mask), 1.0 / docs))
     half = jnp.array([t // 2], jnp.int32)
-    out.append(("padding 50%", t, 1, dict(q_lengths=half, kv_lengths=half),
-                dict(query_seq_lengths=half, key_value_seq_lengths=half), 0.25))
-    bias_t = 4096
-    bias = jax.random.normal(jax.random.PRNGKey(3), (1, HEADS, bias_t, bias_t), jnp.bfloat16)
-    out.append(("full", bias_t, 4, {}, {}, 1.0))
-    out.append(("bias [1,H,T,T]", bias_t, 4, dict(bias=bias), dict(bias=bias), 1.0))
-    for seq in (4096, 8192, 16384) if quick else (4096, 8192, 16384, 32768, 65536):
-        visible = min(1.0, (1024 + 1) / seq)  # roughly: each query sees <= 1025 keys
-        out.append((f"window 1024 causal", seq, 1, dict(window=(1024, 0), causal=True),
-                    dict(local_window_size=(1024, 0), is_causal=True), visible))
-    return out
+    bias = jax.random.normal(jax.random.PRNGKey(3), (1, heads, bias_t, bias_t), jnp.bfloat16)
+    out = [
+        Case("full", t, 1, {}, {}, 1.0),
+        Case(f"segments x{docs}", t, 1, dict(segment_ids=seg), dict(mask=doc_mask), 1.0 / docs),
+        # The last rows are padding (output 0): the check takes the last valid ones.
+        Case("padding 50%", t, 1, dict(q_lengths=half, kv_lengths=half),
+             dict(query_seq_lengths=half, key_value_seq_lengths=half), 0.25, check_end=t // 2),
+        Case("full", bias_t, 4, {}, {}, 1.0),
+        Case("bias [1,H,T,T]", bias_t, 4, dict(bias=bias), dict(bias=bias), 1.0),
+    ]
+    seqs = (256, 512) if smoke else (4096, 8192, 16384) if quick else (4096, 8192, 16384, 32768, 65536)
+    for seq in seqs:
+        visible = min(1.0, (window + 1) / seq)  # roughly: each query sees <= window + 1 keys
+        out.append(Case(f"window {window} causal", seq, 1, dict(window=(window, 0), causal=True),
+                        dict(local_window_size=(window, 0), is_causal=True), visible))
+    return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out]
+
+
+def cell(case: Case, mode: str, impl: str) -> benchmark.Cell:
+    return benchmark.Cell(case.name, case.heads, case.heads, case.head_dim, case.seq, bool(case.options.get("causal")), mode, impl,
+                          tokens=case.batch * case.seq)
+
+
+def implementation(case: Case, impl: str, q, k, v):
+    """fn(q, k, v) of the implementation with the case's options; raises NotImplementedError
+    (with the reasons) when it does not support the variant."""
+    import jax
+
+    import flashjax
+
+    if impl == "cudnn":
+        if case.cudnn is None:
+            raise NotImplementedError("cuDNN has no such option")
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **case.cudnn)
+    backend = BACKENDS[impl]
+    flashjax.explain(q, k, v, backend=backend, **case.options)  # NotImplementedError: the backend's reasons
+    return lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, **case.options)
+
+
+# ---- the check: the reference on a slice of query rows ---------------------------------------
+def _rows(case: Case) -> tuple[int, int]:
+    end = case.seq if case.check_end is None else case.check_end
+    if end != case.seq and (case.options.get("causal") or "window" in case.options):
+        raise ValueError(f"{case.name}: causal or windowed rows are checked at the end (bottom-right alignment)")
+    return max(0, end - benchmark.CHECK_ROWS), end
+
+
+def _slice_option(name: str, value, start: int, end: int):
+    """The option as the reference sees it for query rows [start, end) of batch row 0, heads [:CHECK_HEADS]."""
+    if name in ("causal", "window"):
+        return value
+    if name == "segment_ids":
+        return value[:1, start:end], value[:1]
+    if name == "q_lengths":
+        return np.clip(np.asarray(value[:1]) - start, 0, end - start)
+    if name == "kv_lengths":
+        return value[:1]
+    if name in ("bias", "mask"):
+        heads = slice(None) if value.shape[1] == 1 else slice(0, CHECK_HEADS)
+        return value[:1, heads, start:end, :]
+    raise ValueError(f"no row slice for option {name!r}: add one to check this variant")
+
+
+class VariantChecker:
+    """benchmark.Checker's check for a variant: the float32 reference on a slice of query rows."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def expected(self, case: Case, mode: str, q, k, v, do):
+        import jax
+        import jax.numpy as jnp
+
+        from flashjax import reference
+
+        key = (case, mode)
+        if key not in self._cache:
+            start, end = _rows(case)
+            f32 = lambda x: x.astype(jnp.float32)
+            qs, dos = f32(q[:1, start:end, :CHECK_HEADS]), f32(do[:1, start:end, :CHECK_HEADS])
+            ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
+            options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()}
+            out, vjp = jax.vjp(lambda q_: reference.attention(q_, ks, vs, **options), qs)
+            self._cache = {key: np.asarray(out) if mode == "fwd" else np.asarray(vjp(dos)[0])}
+        return self._cache[key]
+
+    def check(self, case: Case, mode: str, result, q, k, v, do) -> dict:
+        start, end = _rows(case)
+        got = result if mode == "fwd" else result[0]
+        return {"out" if mode == "fwd" else "dq": benchmark.rel_err(
+            got[:1, start:end, :CHECK_HEADS], self.expected(case, mode, q, k, v, do))}
+
+
+def measure(case: Case, impl: str, mode: str, args, checker: VariantChecker, reps: int) -> dict:
+    """{"status", and "ms", "dense_tflops", "rel_err" or "error"} of one implementation on one case."""
+    import jax
+
+    c = cell(case, mode, impl)
+    try:
+        fn = implementation(case, impl, *args[:3])
+    except NotImplementedError as e:
+        return dict(status="unsupported", error=benchmark.short_error(e))
+    try:
+        compiled, _ = benchmark.compile_cell(c, fn, args)
+        errors = checker.check(case, mode, compiled(*args), *args)
+        if not all(err < benchmark.TOLERANCE for err in errors.values()):  # nan fails too
+            return dict(status="mismatch", rel_err=errors, error=f"rel err {errors} >= {benchmark.TOLERANCE}")
+        median, _, _ = benchmark.median_time(lambda: compiled(*args), jax.block_until_ready, reps=reps)
+    except Exception as e:  # a peer without the variant, or out of memory, is recorded, not fatal
+        return dict(status="oom" if benchmark.is_oom(e) else "error", error=benchmark.short_error(e))
+    dense = benchmark.flops(case.batch, case.heads, case.seq, case.seq, case.head_dim, False, mode)
+    return dict(status="ok", ms=median * 1e3, dense_tflops=dense / median / 1e12, rel_err=errors)
+
+
+MARKS = {"unsupported": "n/a", "mismatch": "MISMATCH", "error": "err", "oom": "oom"}
+
+
+def _line(row: dict) -> str:
+    def value(impl, mode):
+        ms = row.get(f"{impl}_{mode}_ms")
+        return f"{ms:.3f}" if ms is not None else MARKS.get(row.get(f"{impl}_{mode}_status"), "-")
+
+    cells = " | ".join(f"{value(i, 'fwd'):>10s} {value(i, 'fwdbwd'):>9s}" for i in IMPLS)
+    return f"{row['variant']:22s} {row['seq']:6d} {row['batch']:2d} | {cells}"
+
+
+def header() -> str:
+    names = " | ".join(f"{i + ' fwd':>10s} {'fwd+bwd':>9s}" for i in ("flashjax", "mosaic", "cuDNN"))
+    return f"{'variant':22s} {'T':>6s} {'B':>2s} | {names}   (ms)"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="results .json or directory (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="windows up to T = 16k only")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions (>= 10 for the protocol)")
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized: H=2, D=32, T <= 512, 2 reps")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.reps = min(args.reps, 2)
+    warnings.filterwarnings("ignore")
+    import jax
+
+    import flashjax
+
     device = jax.devices()[0].device_kind
+    checker = VariantChecker()
     rows = []
-    print(f"{'variant':22s} {'T':>6s} {'B':>2s} | {'flashjax fwd':>13s} {'fwd+bwd':>9s} | {'cuDNN fwd':>10s} {'fwd+bwd':>9s} (ms)")
-    for name, seq, batch, fj_kw, cudnn_kw, visible in cases(args.quick):
-        q, k, v, do = inputs(batch, seq)
-        row = dict(variant=name, seq=seq, batch=batch, heads=HEADS, head_dim=HEAD_DIM, useful_fraction=visible)
-        dense_flops = 4 * batch * HEADS * seq * seq * HEAD_DIM
-        impls = {"flashjax": lambda q, k, v, kw=fj_kw: flashjax.flash_attention(q, k, v, backend="triton", **kw)}
-        if cudnn_kw is not None:
-            impls["cudnn"] = lambda q, k, v, kw=cudnn_kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
-        for impl, fn in impls.items():
-            for mode in ("fwd", "fwdbwd"):
-                try:
-                    ms = timed(fn, q, k, v, do, mode)
-                    flops = dense_flops * (3.5 if mode == "fwdbwd" else 1.0)
-                    row[f"{impl}_{mode}_ms"] = ms
-                    row[f"{impl}_{mode}_dense_tflops"] = flops / ms / 1e9
-                except Exception as e:  # a peer without the variant is recorded, not fatal
-                    row[f"{impl}_{mode}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(header())
+    for case in cases(args.quick, args.smoke):
+        inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
+        row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
+                   useful_fraction=case.visible)
+        for impl in IMPLS:
+            for mode in MODES:
+                result = measure(case, impl, mode, inputs, checker, args.reps)
+                row.update({f"{impl}_{mode}_{name}": value for name, value in result.items()})
         rows.append(row)
-        cell = lambda impl, mode: f"{row[f'{impl}_{mode}_ms']:.3f}" if f"{impl}_{mode}_ms" in row else "n/a"
-        print(f"{name:22s} {seq:6d} {batch:2d} | {cell('flashjax', 'fwd'):>13s} {cell('flashjax', 'fwdbwd'):>9s} | "
-              f"{cell('cudnn', 'fwd'):>10s} {cell('cudnn', 'fwdbwd'):>9s}", flush=True)
-    result = dict(device=device, jax=jax.__version__, host=platform.node(), date=time.strftime("%Y-%m-%d"), rows=rows)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results", f"variants-{device.replace(' ', '_')}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+        print(_line(row), flush=True)
+    result = dict(device=device, jax=jax.__version__, flashjax=flashjax.__version__, host=platform.node(),
+                  date=datetime.date.today().isoformat(), rows=rows,
+                  protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS,
+                                check_heads=CHECK_HEADS, tolerance=benchmark.TOLERANCE, flops="dense 4*B*H*T*T*D, x3.5 fwd+bwd"))
+    out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
+    benchmark.save_results(out, result)
     print("wrote", out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,6 +21,11 @@ one protocol:
   ``block_until_ready``.
 * **Results**: JSON records per cell with the device name, merged into a file per
   device under ``benchmarks/results/``.
+
+The scripts' shared command-line pieces live here too: `parse_list`, `parse_seq`,
+`causal_values` for their flags, and `config_overrides`, which applies
+``"field=value,..."`` to a backend config (``--mosaic-config bwd_dq=accumulate``,
+``--triton-config fwd.block_k=64``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from flashjax.tuning import device_slug
 __all__ = [
     "Cell", "flops", "median_time", "rel_err", "make_inputs", "timed_fn", "compile_cell", "Checker",
     "record", "load_results", "save_results", "TOKENS", "TOLERANCE", "CHECK_ROWS",
+    "config_overrides", "parse_list", "parse_seq", "causal_values",
 ]
 
 TOKENS = 16384
@@ -259,3 +265,64 @@ def device_name() -> str:
     import jax
 
     return jax.devices()[0].device_kind
+
+
+
+# ---- command-line helpers of the benchmark scripts -----------------------------------------
+def parse_list(text: str, allowed, kind: str, convert=str) -> list:
+    """'a,b' -> [a, b], checked against `allowed` (None = anything)."""
+    items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    if allowed is not None:
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise SystemExit(f"unknown {kind} {bad}; choose from {list(allowed)}")
+    return items
+
+
+def parse_seq(text: str) -> int:
+    """'4k' -> 4096, '16384' -> 16384."""
+    text = text.lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+def causal_values(text: str) -> list[bool]:
+    """'both' -> [False, True]; 'yes'/'true' -> [True]; 'no'/'false' -> [False]."""
+    values = {"both": [False, True], "yes": [True], "true": [True], "no": [False], "false": [False]}
+    if text.lower() not in values:
+        raise SystemExit(f"causal must be one of {sorted(values)}, got {text!r}")
+    return values[text.lower()]
+
+
+def config_overrides(config, text: str | None):
+    """`config` (a dataclass, e.g. a MosaicConfig) with ``"field=value,..."`` applied.
+
+    ``"kernel.field=value"`` reaches a nested dataclass (``"fwd.block_k=64"`` of a
+    TritonConfig). Values that are whole numbers become ints, others stay strings; the
+    config's own checks then run (``dataclasses.replace`` builds a new one). Empty or
+    None `text` returns `config` unchanged.
+
+    Raises:
+      ValueError: an item without "=", or a field the config does not have.
+    """
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"config override {item!r} is not field=value")
+        config = _replace_field(config, name.strip().split("."), _parse_value(value.strip()))
+    return config
+
+
+def _parse_value(text: str):
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _replace_field(config, path: list[str], value):
+    names = [f.name for f in dataclasses.fields(config)]
+    if path[0] not in names:
+        raise ValueError(f"{type(config).__name__} has no field {path[0]!r}; its fields: {', '.join(names)}")
+    if len(path) > 1:
+        value = _replace_field(getattr(config, path[0]), path[1:], value)
+    return dataclasses.replace(config, **{path[0]: value})

@@ -40,6 +40,11 @@ SHAPES = [
     pytest.param((2, 1, 17, 2, 1, 128), id="q1-k17-mqa"),
     pytest.param((2, 17, 1, 2, 2, 64), id="q17-k1"),
     pytest.param((1, 300, 257, 2, 2, 96), id="q300-k257-d96"),
+    # The spot checks of the former benchmarks/mosaic_quick.py that the cases above miss.
+    pytest.param((2, 1000, 1000, 4, 2, 64), id="T1000-d64-gqa2"),
+    pytest.param((1, 2047, 2047, 4, 1, 128), id="T2047-d128-mqa"),
+    pytest.param((1, 1000, 130, 8, 4, 64), id="q1000>k130-gqa2"),
+    pytest.param((1, 1024, 1024, 2, 2, 256), id="T1024-d256"),
 ]
 
 
@@ -56,9 +61,16 @@ def test_forward_and_grads(make_inputs, kernel_vjp, reference_vjp, assert_result
 
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_logits(make_inputs, kernel_vjp, reference_vjp, assert_result_close, causal):
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((2, 1024, 1024, 4, 2, 128), id="T1024-d128-gqa2"),
+        pytest.param((1, 300, 300, 2, 2, 96), id="T300-d96"),  # head dim padded to 128, partial tiles
+    ],
+)
+def test_large_logits(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal):
     """q.k scaled up x30: the online softmax rescales hard; no overflow, no NaN."""
-    x = make_inputs(2, 1024, 1024, 4, 2, 128, dtype=BF16, q_scale=30.0)
+    x = make_inputs(*shape, dtype=BF16, q_scale=30.0)
     got = mosaic_vjp(kernel_vjp, x, causal=causal)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
     assert_result_close(got, want, BF16)

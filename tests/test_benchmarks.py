@@ -1,0 +1,55 @@
+"""Smoke runs of the benchmark scripts on the CPU (interpret mode, tiny problems): the code
+paths of `flashjax bench` (benchmarks/attention.py) and benchmarks/tune.py, end to end,
+into temporary directories. Speed means nothing here; the records' statuses and checks do."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from flashjax import benchmark, cli, tuning
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(jax.default_backend() == "gpu", reason="the --smoke runs are CPU-sized"),
+]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"flashjax_benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_smoke(tmp_path, capsys):
+    """flashjax bench --smoke: every cell checked against the reference, timed, recorded."""
+    out = tmp_path / "bench.json"
+    argv = ["--smoke", "--quiet", "--causal", "yes", "--impls", "flashjax,flashjax_mosaic,xla", "--out", str(out)]
+    assert cli.main(["bench", *argv]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 2 * 2 * 3  # T in {128, 256} x {fwd, fwdbwd} x impls
+    for key, cell in cells.items():
+        if cell["impl"] == "flashjax_mosaic":  # the Hopper kernels have no interpret mode
+            assert cell["status"] == "unsupported" and "sm90" in cell["error"], key
+        else:
+            assert cell["status"] == "ok", (key, cell.get("error"))
+            assert max(cell["rel_err"].values()) < benchmark.TOLERANCE and cell["median_ms"] > 0
+    assert "smoke" in capsys.readouterr().out  # the table
+
+
+def test_tune_smoke(tmp_path):
+    """tune.py --smoke: candidates searched, the winners written into a copy of the Triton table."""
+    table = tmp_path / "tuned.json"
+    assert _script("tune").main(["--smoke", "--out", str(tmp_path), "--table", str(table)]) == 0
+    device = jax.devices()[0].device_kind
+    entry = json.loads(table.read_text())[tuning.device_slug(device)]["32"]
+    assert set(entry) == {"fwd", "dkv", "dq", "_source"}
+    assert "default" in json.loads(table.read_text())  # the copy started from the package's table
+    report = json.loads(benchmark.results_path(tmp_path, None, device, prefix="tuning-").read_text())["runs"][-1]
+    for kernel in ("fwd", "dkv", "dq"):
+        default = report["results"][f"32/{kernel}"][0]  # the current tiling leads
+        assert default["score"] is not None and all("rel_err" in run for run in default["runs"])
