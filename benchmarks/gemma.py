@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flashjax import benchmark  # noqa: E402  (is_oom, results paths)
+
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 VARIANTS = ("original", "flashjax")
 # Let each process take (nearly) the whole GPU instead of JAX's default 75%: at 32k
@@ -51,11 +54,6 @@ MEM_FRACTION = "0.95"
 # --smoke: Gemma 3's structure (qk-norm, 5 local : 1 global, multi-query heads) at toy size.
 SMOKE_CONFIG = dict(num_layers=6, num_embed=128, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=16,
                     num_kv_heads=1, sliding_window_size=16)
-
-
-def _is_oom(err: BaseException | str) -> bool:
-    text = str(err)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def worker(variant: str, seq: int, batch: int, steps: int, warmup: int, smoke: bool, num_embed: int | None) -> dict:
@@ -121,7 +119,7 @@ def worker(variant: str, seq: int, batch: int, steps: int, warmup: int, smoke: b
             jax.block_until_ready((loss, grads))
             times.append(time.perf_counter() - start)
     except Exception as err:  # noqa: BLE001 -- an OOM is a result; anything else is reported
-        if not _is_oom(err):
+        if not benchmark.is_oom(err):
             raise
         row.update(status="oom", error=str(err).strip().splitlines()[0][:300])
         return row
@@ -152,7 +150,7 @@ def run_one(variant: str, seq: int, args) -> dict:
         if out.exists():
             return json.loads(out.read_text())
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[:400]
-        return {**base, "status": "oom" if _is_oom(proc.stderr) else "error", "error": tail}
+        return {**base, "status": "oom" if benchmark.is_oom(proc.stderr) else "error", "error": tail}
 
 
 def table(rows: list[dict]) -> str:
@@ -201,8 +199,7 @@ def main(argv=None) -> int:
             rows.append(run_one(variant, seq, args))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = next((r["device"] for r in rows if "device" in r), "unknown")
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    path = Path(args.out) if args.out else RESULTS_DIR / f"gemma{'-smoke' if args.smoke else ''}-{slug}.json"
+    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix=f"gemma{'-smoke' if args.smoke else ''}-")
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": device, "date": datetime.date.today().isoformat(),
               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION),

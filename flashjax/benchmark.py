@@ -134,7 +134,8 @@ def short_error(e: BaseException) -> str:
     return text[:300]
 
 
-def is_oom(e: BaseException) -> bool:
+def is_oom(e) -> bool:
+    """Whether an exception (or a process's stderr text) says the device ran out of memory."""
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
