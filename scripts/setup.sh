@@ -120,7 +120,7 @@ if [ -f "$site_dir/flashjax-reuse-base.pth" ]; then
   fi
   # What pyproject asks for (with the extras) and this environment lacks is listed, not
   # downloaded; the tests that need a missing package skip themselves.
-  "$venv/bin/python" - "$extras" <<'EOF'
+  "$venv/bin/python" - "$extras" "$venv" <<'EOF'
 import importlib.metadata as md, sys, tomllib
 from pip._vendor.packaging.requirements import Requirement
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -133,17 +133,18 @@ while todo:
             todo += sorted(r.extras - seen)
         else:
             wanted.append(str(r))
-missing = []
+missing = {}
 for r in map(Requirement, wanted):
     try:
         version = md.version(r.name)
     except md.PackageNotFoundError:
-        missing.append(r.name)
+        missing[r.name] = r.name
         continue
     if not r.specifier.contains(version, prereleases=True):
-        missing.append(f"{r.name} {version} (wants {r.specifier})")
+        missing[r.name] = f"{r.name} {version} (wants {r.specifier})"
 if missing:
-    print("setup: missing here, not downloaded:", ", ".join(sorted(set(missing))))
+    print("setup: missing here, not downloaded:", ", ".join(sorted(missing.values())),
+          f"(with a network: {sys.argv[2]}/bin/python -m pip install -c constraints.txt {' '.join(sorted(missing))})")
 EOF
 elif [ "$latest" = 1 ]; then
   echo "setup: $venv $from: pip installs $label with the newest JAX/Flax inside pyproject's ranges"
