@@ -276,3 +276,24 @@ def test_forced_backend_lists_its_reasons(monkeypatch):
     q = jnp.zeros((1, 16, 2, 64), jnp.float32)
     with pytest.raises(NotImplementedError, match="sm90.*float32"):
         flashjax.flash_attention(q, q, q, backend="mosaic")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64"])
+def test_dtypes_no_kernel_takes_run_on_the_reference(dtype):
+    """auto never raises where the reference works: float64 (under x64) and complex inputs run
+    the reference in that dtype, and explain says why; a named kernel backend still raises."""
+    with jax.enable_x64(dtype == "float64"):
+        rng = np.random.default_rng(0)
+        draw = lambda *shape: rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if dtype == "complex64" else 0)
+        q, k, v = (jnp.asarray(draw(1, 12, 2, 8), dtype) for _ in range(3))
+        out = flashjax.flash_attention(q, k, v, causal=True)
+        assert out.dtype == jnp.dtype(dtype)
+        want = flashjax.reference.attention(q, k, v, causal=True)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12 if dtype == "float64" else 1e-6)
+        choice = flashjax.explain(q, k, v, causal=True)
+        assert choice.backend == "xla"
+        assert any(dtype in reason for _, reasons in choice.passed for reason in reasons)
+        with pytest.raises(NotImplementedError, match=dtype):
+            flashjax.flash_attention(q, k, v, backend="triton")
+        grads = jax.grad(lambda q: jnp.sum(jnp.abs(flashjax.flash_attention(q, k, v)) ** 2))(q)
+        assert grads.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.isfinite(grads)))
