@@ -9,7 +9,6 @@ import pytest
 
 from flashjax import KernelConfig, MosaicConfig, TritonConfig, benchmark, tuning
 from flashjax.kernels.mosaic import config as mosaic_config
-from flashjax.kernels.triton import config as triton_config
 
 H100 = "NVIDIA H100 80GB HBM3"
 

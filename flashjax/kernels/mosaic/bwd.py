@@ -87,10 +87,7 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
-    batch, q_len, heads, head_dim = q.shape
-    k_len, kv_heads = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    group = heads // kv_heads
+    batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
@@ -102,7 +99,6 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
         pair = lax.axis_index("pair")
         # The producer streams, for every query head of the group, the query tiles either
@@ -111,9 +107,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
         per_head = ring_hi - ring_lo
         steps = group * per_head
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        def _consumer(wg):
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k_block = pair * COMPUTE_WGS + wg
             k_start = k_block * block_kv
@@ -162,9 +156,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
             dk, dv = loop(0, group, head, (zero, zero))
             _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
-        @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
 
             def load(s):
                 slot = lax.rem(s, stages)
@@ -182,6 +174,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
             def _(s):
                 plgpu.barrier_wait(free.at[lax.rem(s, stages)])
                 load(s)
+
+        common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
         tiles = common.smem_tiles()
@@ -208,10 +202,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
 
 def dq(q, k, v, do, lse2, delta, t: Tiling):
     """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics)."""
-    batch, q_len, heads, head_dim = q.shape
-    k_len, kv_heads = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    group = heads // kv_heads
+    batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
     n_kv = k_len // block_kv
@@ -225,14 +216,11 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        def _consumer(wg):
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q_block = pair * COMPUTE_WGS + wg
             q_start = q_block * block_q
@@ -280,15 +268,15 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
             kv_head = lax.div(h, group)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), (k_free, v_free),
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
             )
+
+        common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
         tiles = common.smem_tiles()
@@ -341,10 +329,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     contributors are a prefix of the pairs. Rows that see no key at all (Tq > Tk) are
     visited by nobody; the caller zeroes them.
     """
-    batch, q_len, heads, head_dim = q.shape
-    k_len, kv_heads = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    group = heads // kv_heads
+    batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
@@ -359,7 +344,6 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
         smem, ready, (free, ds_ready, ds_done, dq_ready, dq_free) = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
         kv_ready, q_ready, do_ready, lse_ready, delta_ready = ready
@@ -378,9 +362,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
             """(query head, query tile) of step s."""
             return hk * group + lax.div(s, per_head), cta_lo + lax.rem(s, per_head)
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        def _consumer(wg):
             k_smem, v_smem = k_smem2.at[pl.ds(wg * block_kv, block_kv)], v_smem2.at[pl.ds(wg * block_kv, block_kv)]
             k_start = cta_k + wg * block_kv
             tiles = q_tiles(n * COMPUTE_WGS + wg)
@@ -441,9 +423,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(ds_done))
             _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
-        @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
             order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
 
             def load(s):
@@ -490,6 +470,8 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
                     load(s + stages)
 
                 write_dq(s)
+
+        common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref):
         tiles = common.smem_tiles()

@@ -12,6 +12,7 @@ kernels.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,41 @@ def turn(barrier, enabled: bool):
             plgpu.barrier_wait(barrier)
 
     return take_turn
+
+
+class Shapes(NamedTuple):
+    """The static shape of a kernel's (padded) q [B, Tq, H, D] and k [B, Tk, Hkv, D]."""
+
+    batch: int
+    q_len: int
+    heads: int
+    head_dim: int
+    k_len: int
+    kv_heads: int
+    group: int  # query heads per kv head
+    dtype: object
+
+
+def shapes(q, k) -> Shapes:
+    batch, q_len, heads, head_dim = q.shape
+    k_len, kv_heads = k.shape[1], k.shape[2]
+    return Shapes(batch, q_len, heads, head_dim, k_len, kv_heads, heads // kv_heads, q.dtype)
+
+
+def warp_specialized(consumer, producer):
+    """Runs ``consumer(wg)`` on the COMPUTE_WGS consumer warpgroups, with the registers the
+    producer gives up, and ``producer()`` on the last warpgroup."""
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        consumer(wg)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer()
 
 
 def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: str):

@@ -232,10 +232,7 @@ def forward(q, k, v, t: Tiling, schedule: str):
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
     """
-    batch, q_len, heads, head_dim = q.shape
-    k_len, kv_heads = k.shape[1], k.shape[2]
-    dtype = q.dtype
-    group = heads // kv_heads
+    batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
     assert schedule in SCHEDULES, schedule
@@ -251,16 +248,13 @@ def forward(q, k, v, t: Tiling, schedule: str):
     def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        wg = lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         # The producer streams the key tiles either consumer needs.
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
         take_turn = common.turn(schedule_barrier, not overlap)
 
-        @pl.when(wg < COMPUTE_WGS)
-        def _consumer():
-            plgpu.set_max_registers(common.CONSUMER_REGISTERS, action="increase")
+        def _consumer(wg):
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_block = pair * COMPUTE_WGS + wg
             q_start = q_block * block_q
@@ -303,15 +297,15 @@ def forward(q, k, v, t: Tiling, schedule: str):
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WGS)
         def _producer():
-            plgpu.set_max_registers(common.PRODUCER_REGISTERS, action="decrease")
             kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
             )
+
+        common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
         tiles = common.smem_tiles()

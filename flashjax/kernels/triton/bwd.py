@@ -134,19 +134,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
     spec = scorer.spec
-    q_block = pl.num_programs(0) - 1 - pl.program_id(0)  # heavy causal tiles first
-    batch, head = pl.program_id(1), pl.program_id(2)
+    own = scoring.query_tile(scorer, x, block_q=block_q, heads=heads)  # heavy causal tiles first
+    q_block, rows, kv_length, q_seg, slope, drop_base = (
+        own.q_block, own.rows, own.kv_length, own.q_seg, own.slope, own.drop_base)
     precision = scoring.dot_precision(q_ref.dtype)
-
-    q = q_ref[...]
-    do = do_ref[...]
-    lse = lse_ref[...]
-    delta = delta_ref[...]
-    rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
-    q_seg = x.q_segment_ids[...] if x.q_segment_ids is not None else None
-    slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
-    drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
     def step(k_block, dq, masked):
         start = pl.multiple_of(k_block * block_k, block_k)

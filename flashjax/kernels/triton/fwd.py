@@ -28,16 +28,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
     spec = scorer.spec
     # Tiles run in reverse order: under a causal mask the last query tiles do the
     # most work, and starting them first balances the tail of the grid.
-    q_block = pl.num_programs(0) - 1 - pl.program_id(0)
-    batch, head = pl.program_id(1), pl.program_id(2)
+    own = scoring.query_tile(scorer, x, block_q=block_q, heads=heads)
+    q_block, rows, kv_length, q_seg, slope, drop_base = (
+        own.q_block, own.rows, own.kv_length, own.q_seg, own.slope, own.drop_base)
     precision = scoring.dot_precision(q_ref.dtype)
-
     q = q_ref[...]
-    rows = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
-    q_seg = x.q_segment_ids[...] if x.q_segment_ids is not None else None
-    slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
-    drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
 
     def step(k_block, carry, masked):
         acc, m, l = carry

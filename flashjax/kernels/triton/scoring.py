@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from flashjax import dropout
 from flashjax.kernels.common import LOG2E
@@ -105,6 +107,38 @@ class Scorer:
 
     def keep(self, base, rows, cols):
         return dropout.tile_keep(base, rows, cols, dropout.keep_threshold(self.dropout_rate))
+
+
+class QueryTile(NamedTuple):
+    """What a program over one query tile (forward, dQ kernels) reads once, before its key loop."""
+
+    q_block: Any  # the tile's index (programs run the last, heaviest causal tiles first)
+    batch: Any
+    head: Any
+    rows: Any  # int32 [block_q, 1] query positions
+    kv_length: Any  # the batch row's key length (with lengths), else None
+    q_seg: Any  # int32 [block_q] segment ids, or None
+    slope: Any  # this head's ALiBi slope, or None
+    drop_base: Any  # this (batch, head)'s dropout stream, or None
+
+
+def query_tile(scorer: "Scorer", x, *, block_q: int, heads: int) -> QueryTile:
+    """The query tile of this program on a grid of (query tile, batch, head); `x` holds the
+    kernel's optional input refs (`params.Extras`)."""
+    from flashjax import masks
+
+    q_block = pl.num_programs(0) - 1 - pl.program_id(0)
+    batch, head = pl.program_id(1), pl.program_id(2)
+    return QueryTile(
+        q_block=q_block,
+        batch=batch,
+        head=head,
+        rows=q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None],
+        kv_length=x.ranges[masks.KV_LENGTH] if x.ranges is not None else None,
+        q_seg=x.q_segment_ids[...] if x.q_segment_ids is not None else None,
+        slope=x.alibi_slopes[head] if x.alibi_slopes is not None else None,
+        drop_base=scorer.dropout_base(x.dropout_seed, batch, head, heads),
+    )
 
 
 def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=None):
