@@ -36,12 +36,31 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # the progress bar is optional
+    tqdm = None
 
 from flashjax.flax.nnx import FlashMultiHeadAttention
 
 
 # ---- data -----------------------------------------------------------------------------
+class _NoBar:
+    """What the loop uses of a tqdm bar, without one."""
+
+    def __init__(self, iterable):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def set_postfix(self, **_):
+        pass
+
+    def close(self):
+        pass
+
+
 def make_batch(key, batch: int, seq_len: int, vocab: int):
     """Arithmetic progressions mod ``vocab``: int32 ``[batch, seq_len + 1]`` (inputs + next token)."""
     k_start, k_step = jax.random.split(key)
@@ -156,8 +175,12 @@ def train(args) -> dict:
         "oom": False,
     }
     times = []
-    bar = tqdm(range(args.steps), desc=f"{args.attention} T={args.seq_len}", disable=args.no_progress,
-               file=sys.stdout)
+    if tqdm is None:
+        args.no_progress = True
+        bar = _NoBar(range(args.steps))
+    else:
+        bar = tqdm(range(args.steps), desc=f"{args.attention} T={args.seq_len}", disable=args.no_progress,
+                   file=sys.stdout)
     try:
         for step in bar:
             tokens = make_batch(jax.random.fold_in(data_key, step), args.batch, args.seq_len, args.vocab)
