@@ -67,6 +67,7 @@ from flashjax.benchmark import (  # noqa: E402  (the protocol: flashjax/benchmar
     save_results,
     short_error,
 )
+from flashjax.params import KVCache  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 8, 64)
@@ -107,15 +108,10 @@ class DecodeCell:
 
 
 class Problem(NamedTuple):
-    """A cell's inputs: q and the cache as decode_attention takes them."""
+    """A cell's inputs: q, and the cache as decode_attention takes it."""
 
     q: object
-    k: object
-    v: object
-    lengths: object
-    page_table: object = None
-    k_scale: object = None
-    v_scale: object = None
+    cache: KVCache
 
 
 class Unsupported(Exception):
@@ -151,25 +147,25 @@ def make_problem(cell: DecodeCell, seed: int = 0) -> Problem:
         return (x.astype(jnp.float32) / scale[:, None]).astype(jnp.float8_e4m3fn), scale
 
     if cell.cache == "contiguous":
-        return Problem(q, side(keys[1]), side(keys[2]), lengths)
+        return Problem(q, KVCache(side(keys[1]), side(keys[2]), lengths))
     table = jax.random.permutation(keys[3], b * (t // cell.page_size)).reshape(b, -1).astype(jnp.int32)
     if cell.cache == "paged":
-        return Problem(q, side(keys[1]), side(keys[2]), lengths, table)
+        return Problem(q, KVCache(side(keys[1]), side(keys[2]), lengths, table))
     k, k_scale = quantise(side(keys[1]))
     v, v_scale = quantise(side(keys[2]))
-    return Problem(q, k, v, lengths, table, k_scale, v_scale)
+    return Problem(q, KVCache(k, v, lengths, table, k_scale, v_scale))
 
 
-def dense_row(problem: Problem, b: int, kv_heads: int):
+def dense_row(cache: KVCache, b: int, kv_heads: int):
     """Batch row b's keys and values [1, context, kv_heads, D], float32, dequantised."""
     import jax.numpy as jnp
 
     def side(x, scale):
-        x = x[b] if problem.page_table is None else x[problem.page_table[b]].reshape(-1, *x.shape[2:])
+        x = x[b] if cache.page_table is None else x[cache.page_table[b]].reshape(-1, *x.shape[2:])
         x = x[:, :kv_heads].astype(jnp.float32)
         return (x if scale is None else x * scale[:kv_heads, None])[None]
 
-    return side(problem.k, problem.k_scale), side(problem.v, problem.v_scale)
+    return side(cache.k, cache.k_scale), side(cache.v, cache.v_scale)
 
 
 def check(cell: DecodeCell, out, problem: Problem) -> dict:
@@ -183,7 +179,7 @@ def check(cell: DecodeCell, out, problem: Problem) -> dict:
     heads = kv_heads * (cell.heads // cell.kv_heads)
     errors = {}
     for b in sorted({0, cell.batch - 1}):
-        k, v = dense_row(problem, b, kv_heads)
+        k, v = dense_row(problem.cache, b, kv_heads)
         want = reference.attention(problem.q[b:b + 1, :, :heads].astype(jnp.float32), k, v, causal=True)
         errors[f"out[{b}]"] = rel_err(out[b:b + 1, :, :heads], want)
     return errors
@@ -198,32 +194,33 @@ def _on_gpu() -> bool:
 def impl_fn(cell: DecodeCell, fa3_num_splits: int):
     """fn(problem) -> out [B, q_len, H, D] for the cell's implementation."""
     import jax
-    import jax.numpy as jnp
 
     import flashjax
 
     scale = 1.0 / math.sqrt(cell.head_dim)
     contiguous = cell.cache == "contiguous"
+    def decode(p: Problem, backend: str = "auto"):
+        c = p.cache
+        return flashjax.decode_attention(p.q, c.k, c.v, c.lengths, page_table=c.page_table, k_scale=c.k_scale,
+                                         v_scale=c.v_scale, scale=scale, backend=backend)
+
     if cell.impl == "flashjax":
-        return lambda p: flashjax.decode_attention(
-            p.q, p.k, p.v, p.lengths, page_table=p.page_table, k_scale=p.k_scale, v_scale=p.v_scale, scale=scale)
+        return decode
     if cell.impl == "xla":
         if contiguous:
             return lambda p: jax.nn.dot_product_attention(
-                p.q, p.k, p.v, scale=scale, key_value_seq_lengths=p.lengths, implementation="xla")
+                p.q, p.cache.k, p.cache.v, scale=scale, key_value_seq_lengths=p.cache.lengths, implementation="xla")
         need = (2 * cell.kv_heads * cell.head_dim + 2 * cell.heads * cell.q_len) * 4 * cell.batch * cell.context
         if need > XLA_GATHER_LIMIT:
             raise EstimatedOOM(f"the gathered float32 cache and scores need ~{need / 1e9:.0f} GB")
-        return lambda p: flashjax.decode_attention(
-            p.q, p.k, p.v, p.lengths, page_table=p.page_table, k_scale=p.k_scale, v_scale=p.v_scale, scale=scale,
-            backend="xla")
+        return lambda p: decode(p, backend="xla")
     if cell.impl == "cudnn":
         if not contiguous:
             raise Unsupported("jax.nn.dot_product_attention takes a contiguous bfloat16 cache")
         if not _on_gpu():
             raise Unsupported("cuDNN needs a GPU")
         return lambda p: jax.nn.dot_product_attention(
-            p.q, p.k, p.v, scale=scale, key_value_seq_lengths=p.lengths, implementation="cudnn")
+            p.q, p.cache.k, p.cache.v, scale=scale, key_value_seq_lengths=p.cache.lengths, implementation="cudnn")
     if cell.impl == "pallas_gqa":
         import warnings
 
@@ -234,7 +231,7 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int):
             raise Unsupported("takes one query per sequence and a contiguous bfloat16 cache")
         interpret = not _on_gpu()
         return lambda p: pallas_decode.gqa(
-            p.q[:, 0], p.k, p.v, kv_seq_len=p.lengths, sm_scale=scale, interpret=interpret)[:, None]
+            p.q[:, 0], p.cache.k, p.cache.v, kv_seq_len=p.cache.lengths, sm_scale=scale, interpret=interpret)[:, None]
     if cell.impl == "fa3":
         import flash_attn3_jax
 
@@ -243,8 +240,8 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int):
         if not _on_gpu():
             raise Unsupported("flash-attn3-jax needs a GPU")
         return lambda p: flash_attn3_jax.flash_mha_with_kvcache(
-            p.q, p.k, p.v, cache_seqlens=p.lengths, page_table=p.page_table, softmax_scale=scale, is_causal=True,
-            num_splits=fa3_num_splits)
+            p.q, p.cache.k, p.cache.v, cache_seqlens=p.cache.lengths, page_table=p.cache.page_table,
+            softmax_scale=scale, is_causal=True, num_splits=fa3_num_splits)
     raise Unsupported(f"unknown implementation {cell.impl}")
 
 
@@ -277,7 +274,7 @@ def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: int) -> list[dic
             if not all(e < TOLERANCE for e in errors.values()):  # nan fails too
                 entries.append(record(cell, "mismatch", rel_err=errors, error=f"rel err {errors} >= {TOLERANCE}"))
                 continue
-            median, times, inner = median_time(lambda: compiled(problem), jax.block_until_ready, reps=reps)
+            median, times, inner = median_time(lambda run=compiled: run(problem), jax.block_until_ready, reps=reps)
             entries.append(record(cell, "ok", rel_err=errors, median_ms=median * 1e3,
                                   reps_ms=[t * 1e3 for t in times], inner=inner))
         except Unsupported as e:
@@ -288,7 +285,6 @@ def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: int) -> list[dic
             entries.append(record(cell, "unavailable", error=short_error(e)))
         except Exception as e:  # recorded; a peer never stops the sweep
             entries.append(record(cell, "oom" if is_oom(e) else "error", error=short_error(e)))
-    del problem
     return entries
 
 
@@ -323,7 +319,7 @@ def table(entries: list[dict], hbm: float | None) -> str:
     lines = [["cache", "B", "context"] + impls]
     lines += [[row[0], str(row[1]), str(row[2])] + [val(row, i) for i in impls] for row in rows]
     widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
-    text = ["  ".join(s.rjust(w) for s, w in zip(line, widths)) for line in lines]
+    text = ["  ".join(s.rjust(w) for s, w in zip(line, widths, strict=True)) for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     note = "time per step; effective bandwidth = bytes of K/V read / time" + (f" (% of {hbm / 1e12:.2f} TB/s HBM)" if hbm else "")
     return "\n".join(text + [note])
@@ -398,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             entries = [record(c, "skipped", error=f"budget of {args.budget_s:.0f} s spent") for c in row_cells]
         else:
             entries = run_row(row_cells, args.reps, args.fa3_num_splits)
-        for cell, e in zip(row_cells, entries):
+        for cell, e in zip(row_cells, entries, strict=True):
             if e["status"] != "skipped" or cell.key not in results["cells"]:  # a skip never hides a measurement
                 results["cells"][cell.key] = e
         new_entries += entries
