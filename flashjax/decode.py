@@ -103,7 +103,8 @@ def decode_attention(
       ValueError: for inconsistent shapes or dtypes, a page table that does not fit,
         scales that do not fit the cache, bad options, and (for concrete arrays) lengths
         outside [0, capacity] or used page-table entries outside [0, num_pages); the
-        message names the argument. Traced lengths and page tables (under ``jit`` or
+        message names the argument. (Checking a concrete array reads it to the host, a
+        device sync per call: call it under ``jit`` in a decoding loop.) Traced lengths and page tables (under ``jit`` or
         ``vmap``) cannot be checked: lengths are then clamped to [0, capacity] and page
         indices to [0, num_pages), so no read leaves the cache, but a bad value gives a
         wrong result rather than an error.
