@@ -1,12 +1,14 @@
 """flashjax: exact, IO-aware attention for JAX, written as Pallas GPU kernels.
 
 `flash_attention` is the function and `explain` says which backend it runs a call on;
+`decode_attention` runs a few new queries against a (paged, float8) KV cache, forward only;
 `TritonConfig` (of `KernelConfig`s) and `MosaicConfig` tune the kernels;
 `sharded_flash_attention` and `ring_attention` run it over a device mesh (batch/head
 parallelism, and context parallelism around a ring). Flax users: `flashjax.flax`.
 """
 
 from flashjax.api import explain, flash_attention
+from flashjax.decode import decode_attention
 from flashjax.kernels.mosaic.config import MosaicConfig
 from flashjax.kernels.triton.config import KernelConfig, TritonConfig
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attention",
     "explain",
+    "decode_attention",
     "TritonConfig",
     "KernelConfig",
     "MosaicConfig",

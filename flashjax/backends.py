@@ -12,6 +12,13 @@ supports it, else on the first backend of the platform's order that does.
 
 Adding a backend: a module with a ``BACKEND`` object, one line in `_MODULES`, and
 its name in the platform orders.
+
+Decoding (`flashjax.decode_attention`) goes through the same registry and the same
+platform orders: a backend with a decode path sets `Backend.decode` to a `Decoder`
+(what it cannot decode, and its run function); `choose_decode` takes the first
+backend of the order whose decoder supports the call. A backend without one
+(``decode=None``, the Hopper kernels today) is passed by with that reason, so the
+choice for `flash_attention` is untouched.
 """
 
 from __future__ import annotations
@@ -22,9 +29,25 @@ from typing import Any, Callable
 
 import jax
 
-from flashjax.params import Call
+from flashjax.params import Call, DecodeCall
 
-__all__ = ["Backend", "Choice", "choose", "get", "names", "describe_device"]
+__all__ = ["Backend", "Decoder", "Choice", "choose", "choose_decode", "get", "names", "describe_device", "sm_count"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A backend's decode path (`flashjax.decode_attention`; forward only).
+
+    Attributes:
+      supports: ``supports(call: DecodeCall) -> list[str]``: why it cannot run the call.
+      run: ``run(q, cache: params.KVCache, params: params.DecodeParams) -> (o, lse)``:
+        o [B, q_len, H, D] in q's dtype, lse [B, H, q_len] (natural log, float32).
+      declines: like `Backend.declines`: why ``auto`` passes it by although it could.
+    """
+
+    supports: Callable[[DecodeCall], list[str]]
+    run: Callable
+    declines: Callable[[DecodeCall], list[str]] = lambda call: []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +69,7 @@ class Backend:
         given the forward's o and lse (or, in ring attention, a merge of several calls').
       differentiable: its forward is plain JAX, differentiated by JAX when it runs a
         whole call (exact float32 gradients, no recomputation from a rounded o).
+      decode: its decode path (`Decoder`), or None when it has none.
     """
 
     name: str
@@ -58,6 +82,7 @@ class Backend:
     supports_backward: Callable[[Call], list[str]] = lambda call: []
     declines: Callable[[Call], list[str]] = lambda call: []
     differentiable: bool = False
+    decode: Decoder | None = None
 
 
 # name -> module that defines BACKEND.
@@ -97,6 +122,12 @@ def describe_device() -> tuple[str, str]:
     return platform, str(getattr(jax.devices()[0], "compute_capability", ""))
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the default GPU (0 without one, or when JAX does not say)."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or 0) if device.platform == "gpu" else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The backends a call runs on, and why the ones `auto` tried first were passed by.
@@ -120,6 +151,8 @@ class Choice:
     def __str__(self) -> str:
         lines = [f"forward: {self.backend}"]
         lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.passed]
+        if not self.backward_backend:  # a decode call: forward only
+            return "\n".join(lines)
         lines.append(f"backward: {self.backward_backend}")
         lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.backward_passed]
         return "\n".join(lines)
@@ -171,7 +204,32 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
                   ((chosen.name, tuple(own)),) + backward_passed)
 
 
-def _first(call: Call, candidates, reasons_of):
+def choose_decode(call: DecodeCall, backend: str = "auto") -> Choice:
+    """Picks the backend of a decode call (forward only: the Choice's backward fields are empty).
+
+    Raises:
+      ValueError: unknown backend name.
+      NotImplementedError: the named backend cannot decode the call (its reasons listed).
+    """
+
+    def reasons_of(b: Backend, auto: bool) -> list[str]:
+        if b.decode is None:
+            return ["no decode path"]
+        return b.decode.supports(call) + (b.decode.declines(call) if auto else [])
+
+    if backend != "auto":
+        reasons = reasons_of(get(backend), auto=False)
+        if reasons:
+            raise NotImplementedError(
+                f"backend={backend!r} ({get(backend).description}) cannot run this decode call: {'; '.join(reasons)}. "
+                "Use backend='auto' to take the first backend that can."
+            )
+        return Choice(backend, "", None, None)
+    chosen, passed = _first(call, order(call.platform), lambda b: reasons_of(b, auto=True))
+    return Choice(chosen.name, "", None, None, passed)
+
+
+def _first(call, candidates, reasons_of):
     passed = []
     for name in candidates:
         backend = get(name)

@@ -1,4 +1,5 @@
-"""Argument checks shared by `flash_attention`, `ring_attention` and `sharded_flash_attention`.
+"""Argument checks shared by `flash_attention`, `ring_attention`, `sharded_flash_attention` and
+`decode_attention`.
 
 Each raises ValueError with a message that names the argument and says what to change.
 They run before anything is traced.
@@ -11,11 +12,13 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 __all__ = [
     "check_qkv", "check_scale", "check_window", "check_static_number", "check_dropout",
     "check_segment_ids", "check_lengths", "check_slopes", "check_pair_array", "mesh_axis_names", "check_mesh_axes",
+    "check_cache", "check_cache_scale", "check_cache_contents", "check_num_splits",
 ]
 
 
@@ -184,6 +187,122 @@ def check_slopes(slopes, heads: int):
     if not hasattr(slopes, "shape") or tuple(slopes.shape) != (heads,):
         raise ValueError(f"alibi_slopes must have shape ({heads},) [heads], got {getattr(slopes, 'shape', type(slopes).__name__)}.")
     return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+
+
+# ---- KV caches (decode_attention) -----------------------------------------------------------
+FLOAT8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def check_cache(q, k_cache, v_cache, page_table) -> tuple[int, int | None]:
+    """q [B, q_len, H, D] against a contiguous cache [B, max_len, Hkv, D] (``page_table`` None)
+    or a paged one [num_pages, page_size, Hkv, D] with ``page_table`` int [B, pages_per_seq].
+    The cache has q's dtype, or float8_e4m3fn. Returns (capacity: keys per sequence, page_size or None)."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
+        if x.ndim != 4:
+            layout = "[batch, q_len, heads, head_dim]" if name == "q" else (
+                "[batch, max_len, kv_heads, head_dim]" if page_table is None else "[num_pages, page_size, kv_heads, head_dim]")
+            raise ValueError(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}. Use jax.vmap for extra batch dimensions.")
+    shapes = f"q{tuple(q.shape)}, k_cache{tuple(k_cache.shape)}, v_cache{tuple(v_cache.shape)}"
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes}.")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}.")
+    batch, q_len, heads, head_dim = q.shape
+    if min(q.shape) < 1 or min(k_cache.shape) < 1:
+        raise ValueError(f"every dimension of q and of the caches must be >= 1, got {shapes}.")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q and the caches must have the same head_dim, got {shapes}.")
+    kv_heads = k_cache.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"the number of query heads ({heads}) must be a multiple of the caches' kv_heads ({kv_heads}); got {shapes}.")
+    if not jnp.issubdtype(q.dtype, jnp.floating) or jnp.dtype(q.dtype) == FLOAT8_CACHE:
+        raise ValueError(f"unsupported dtype {q.dtype} for q; use a floating dtype (bfloat16, float16, float32).")
+    if jnp.dtype(k_cache.dtype) not in (jnp.dtype(q.dtype), FLOAT8_CACHE):
+        raise ValueError(
+            f"k_cache and v_cache must have q's dtype ({q.dtype}) or float8_e4m3fn (with k_scale and v_scale), "
+            f"got {k_cache.dtype}."
+        )
+    if page_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(
+                f"a contiguous cache [batch, max_len, kv_heads, head_dim] must have q's batch size {batch}, got {shapes}; "
+                "for a paged cache [num_pages, page_size, kv_heads, head_dim] pass page_table."
+            )
+        return k_cache.shape[1], None
+    if not hasattr(page_table, "shape") or page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+        raise ValueError(
+            f"page_table must have shape (batch={batch}, pages_per_seq >= 1), got "
+            f"{getattr(page_table, 'shape', type(page_table).__name__)} (with {shapes})."
+        )
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be integers (page indices into k_cache's first axis), got dtype {page_table.dtype}.")
+    page_size = k_cache.shape[1]
+    return page_table.shape[1] * page_size, page_size
+
+
+def check_cache_scale(name: str, scale, cache_dtype, kv_heads: int, num_pages: int | None):
+    """A float8 cache's dequantisation scale: float [kv_heads], or [num_pages, kv_heads] for a
+    paged cache; None for other caches. Returned as float32."""
+    if jnp.dtype(cache_dtype) != FLOAT8_CACHE:
+        if scale is not None:
+            raise ValueError(f"{name} is for a float8_e4m3fn cache; this cache is {jnp.dtype(cache_dtype).name}: pass {name}=None.")
+        return None
+    if scale is None:
+        raise ValueError(f"a float8_e4m3fn cache needs {name} (float32 [kv_heads], or [num_pages, kv_heads] for a paged cache; "
+                         "jnp.ones(kv_heads) for an unscaled one).")
+    shapes = [(kv_heads,)] + ([(num_pages, kv_heads)] if num_pages is not None else [])
+    if not hasattr(scale, "shape") or tuple(scale.shape) not in shapes:
+        raise ValueError(
+            f"{name} must have shape {' or '.join(map(str, shapes))} ([kv_heads]"
+            f"{', or [num_pages, kv_heads] per page' if num_pages is not None else '; per-page scales need a paged cache'}), "
+            f"got {getattr(scale, 'shape', type(scale).__name__)}."
+        )
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"{name} must be floating, got dtype {scale.dtype}.")
+    return scale.astype(jnp.float32)
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced (under jit or vmap: not checkable)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_cache_contents(kv_lengths, page_table, capacity: int, page_size: int | None, num_pages: int | None):
+    """Concrete lengths lie in [0, capacity] and the page-table entries a sequence uses (its
+    first cdiv(length, page_size)) in [0, num_pages). Traced values are not checked."""
+    lengths = _concrete(kv_lengths)
+    if lengths is None:
+        return
+    bad = np.flatnonzero((lengths < 0) | (lengths > capacity))
+    if bad.size:
+        where = "max_len" if page_table is None else "pages_per_seq * page_size"
+        raise ValueError(
+            f"kv_lengths must lie in [0, {capacity}] (the cache's {where}); sequence {int(bad[0])} has {int(lengths[bad[0]])}."
+        )
+    table = None if page_table is None else _concrete(page_table)
+    if table is None:
+        return
+    used = np.arange(table.shape[1])[None, :] < -(-lengths[:, None] // page_size)
+    out = used & ((table < 0) | (table >= num_pages))
+    if out.any():
+        b, p = (int(i[0]) for i in np.nonzero(out))
+        raise ValueError(
+            f"page_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache (0 <= page < {num_pages}); "
+            f"sequence {b} uses its first {-(-int(lengths[b]) // page_size)} entries."
+        )
+
+
+def check_num_splits(num_splits) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, jnp.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+        raise ValueError(f"num_splits must be None (chosen per call) or a static Python int >= 1, got {num_splits!r}.")
+    return int(num_splits)
 
 
 # ---- mesh axes ------------------------------------------------------------------------------

@@ -101,9 +101,16 @@ class MaskSpec:
 
     def kv_range(self, q_block, block_q: int, block_k: int, num_k_blocks: int) -> BlockRange:
         """Key tiles met by query tile `q_block` (forward and dQ kernels)."""
-        length = self.seq_k
         first_row = q_block * block_q + self.offset
-        last_row = first_row + block_q - 1
+        return self.kv_range_at(first_row, first_row + block_q - 1, self.seq_k, block_k, num_k_blocks)
+
+    def kv_range_at(self, first_row, last_row, length, block_k: int, num_k_blocks: int) -> BlockRange:
+        """Key tiles met by queries at key positions [first_row, last_row] among `length` keys.
+
+        `kv_range` with the positions given rather than derived from the static offset:
+        the decode kernel aligns each sequence to its own (dynamic) length, so its rows
+        sit at positions ``length - q_len + i`` and `length` may be traced (>= 0).
+        """
         hi = _cdiv_nonneg(jnp.minimum(length, num_k_blocks * block_k), block_k)
         full_hi = lax.div(length, block_k)  # a tile holding padding keys needs the mask
         lo = jnp.int32(0)
@@ -240,6 +247,14 @@ def dynamic_ranges(
     fields = [lo, full_lo, full_hi, hi]
     padding = jnp.zeros((batch, n_blocks, RANGE_FIELDS - KV_LENGTH - 1), jnp.int32)
     return jnp.concatenate([jnp.stack(fields, -1).astype(jnp.int32), lengths, padding], -1)
+
+
+def restrict(block_range: BlockRange, lo, hi) -> BlockRange:
+    """`block_range` cut to the tiles [lo, hi) (e.g. one split of a split-KV decode)."""
+    return _ordered(
+        jnp.maximum(block_range.lo, lo), jnp.maximum(block_range.full_lo, lo),
+        jnp.minimum(block_range.full_hi, hi), jnp.minimum(block_range.hi, hi),
+    )
 
 
 def intersect(structural: BlockRange, ranges_ref) -> BlockRange:

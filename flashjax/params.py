@@ -138,3 +138,88 @@ class AttentionParams:
     def mask_spec(self, seq_q: int, seq_k: int) -> MaskSpec:
         left, right = self.window if self.window is not None else (None, None)
         return MaskSpec(seq_q, seq_k, causal=self.causal, window_left=left, window_right=right)
+
+
+# ---- decoding (`flashjax.decode_attention`) ---------------------------------------------
+class KVCache(NamedTuple):
+    """The arrays of a decode call's KV cache (checked by the API; absent ones are None).
+
+    Attributes:
+      k, v: contiguous [B, max_len, Hkv, D], or paged [num_pages, page_size, Hkv, D].
+      lengths: int32 [B], valid tokens per sequence, clamped to [0, capacity].
+      page_table: int32 [B, pages_per_seq] (paged caches), entries clamped to [0, num_pages).
+      k_scale, v_scale: float32 dequantisation scales of a float8 cache, [Hkv] (per kv
+        head) or [num_pages, Hkv] (per page); the cache holds value / scale.
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+    page_table: Array = None
+    k_scale: Array = None
+    v_scale: Array = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """What a backend needs to know to say whether it can run a decode call (hashable).
+
+    Attributes:
+      batch, q_len, heads, kv_heads, head_dim: the queries' shape and the cache's heads.
+      dtype: of q; cache_dtype: of the cache (q's, or float8_e4m3fn).
+      capacity: keys a sequence can hold (max_len, or pages_per_seq * page_size).
+      page_size: None for a contiguous cache.
+      scales: "head", "page" (float8 scales per kv head / per page) or None.
+      causal, window, softcap: the static options.
+      platform, compute_capability: as in `Call`.
+    """
+
+    batch: int
+    q_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+    cache_dtype: np.dtype
+    capacity: int
+    page_size: int | None = None
+    scales: str | None = None
+    causal: bool = True
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    platform: str = "cpu"
+    compute_capability: str = ""
+
+    @property
+    def scores(self) -> int:
+        """Entries of the [B, H, q_len, capacity] score tensor (what the reference materialises)."""
+        return self.batch * self.heads * self.q_len * self.capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeParams:
+    """Everything about a decode call known at trace time (hashable, a jit static).
+
+    Attributes:
+      scale, causal, window, softcap: as in `AttentionParams`; causal and the window are
+        aligned to each sequence's own length (query i at key position L - q_len + i).
+      num_splits: splits of each sequence's keys (None: the backend chooses).
+      sm_count: streaming multiprocessors of the GPU (0 without one), for the splits.
+      backend: the registered backend that runs the call.
+      interpret: run the Pallas kernels in interpret mode (CPU).
+    """
+
+    scale: float
+    causal: bool = True
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    num_splits: int | None = None
+    sm_count: int = 0
+    backend: str = "triton"
+    interpret: bool = False
+
+    def mask_spec(self, q_len: int) -> MaskSpec:
+        """The mask with its offset 0: callers pass query rows as key positions (each
+        sequence's ``L - q_len`` added) and the sequence's length as ``kv_length``."""
+        left, right = self.window if self.window is not None else (None, None)
+        return MaskSpec(q_len, q_len, causal=self.causal, window_left=left, window_right=right)

@@ -57,6 +57,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flashjax import backends, checks
+from flashjax.kernels.common import merge
 from flashjax.params import AttentionParams, Call, Extras
 
 __all__ = ["ring_attention", "zigzag_order", "zigzag_restore"]
@@ -374,15 +375,6 @@ def _lse_shape(q):
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
-def _merge(o_a, lse_a, o_b, lse_b):
-    """Exact merge of two partial attentions over disjoint key sets (o float32 [B,T,H,D], lse [B,H,T])."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    # Rows that no key reached yet keep lse = -inf and o = 0: shift by 0, not by -inf.
-    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
-    weight = lambda part: jnp.transpose(jnp.exp(part - safe), (0, 2, 1))[..., None]
-    return weight(lse_a) * o_a + weight(lse_b) * o_b, lse
-
-
 def _shift(ring: _Ring, x):
     """Sends x to the next device on the ring (device r receives from r - 1)."""
     n = ring.size
@@ -410,7 +402,7 @@ def _local_forward(ring: _Ring, q, k, v, segments):
         incoming = _shift(ring, held) if step < ring.size - 1 else None
         k_s, v_s, kv_ids_s = held
         o_s, lse_s = _step_forward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s))
-        o, lse = (o_s, lse_s) if o is None else _merge(o, lse, o_s, lse_s)
+        o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
         held = incoming
     return o.astype(q.dtype), lse
 

@@ -1,9 +1,10 @@
 """Smoke runs of the benchmark scripts on the CPU (interpret mode, tiny problems): the code
-paths of `flashjax bench` (benchmarks/attention.py) and benchmarks/tune.py, end to end,
+paths of `flashjax bench` (benchmarks/attention.py), benchmarks/tune.py and benchmarks/decode.py, end to end,
 into temporary directories. Speed means nothing here; the records' statuses and checks do."""
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +22,7 @@ pytestmark = [
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"flashjax_benchmarks_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 
@@ -53,3 +55,20 @@ def test_tune_smoke(tmp_path):
     for kernel in ("fwd", "dkv", "dq"):
         default = report["results"][f"32/{kernel}"][0]  # the current tiling leads
         assert default["score"] is not None and all("rel_err" in run for run in default["runs"])
+
+
+def test_decode_smoke(tmp_path, capsys):
+    """decode.py --smoke: every cache kind checked against the reference, timed, recorded;
+    peers that need a GPU (or are not installed) recorded as such."""
+    out = tmp_path / "decode.json"
+    assert _script("decode").main(["--smoke", "--out", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert len(cells) == 3 * 5  # caches x impls, one batch and context
+    for key, cell in cells.items():
+        runs = cell["impl"] in ("flashjax", "xla") or (cell["impl"] == "pallas_gqa" and cell["cache"] == "contiguous")
+        if runs:
+            assert cell["status"] == "ok", (key, cell.get("error"))
+            assert max(cell["rel_err"].values()) < benchmark.TOLERANCE and cell["tb_per_s"] > 0
+        else:
+            assert cell["status"] in ("unsupported", "unavailable"), (key, cell)
+    assert "effective bandwidth" in capsys.readouterr().out  # the table

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import pallas_call_registration
 
-from flashjax import MosaicConfig, TritonConfig, autodiff, reference
-from flashjax.params import AttentionParams, Extras
+from flashjax import MosaicConfig, TritonConfig, autodiff, backends, reference
+from flashjax.params import AttentionParams, DecodeParams, Extras, KVCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -34,8 +34,9 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 @pytest.fixture
 def fake_h100(monkeypatch):
-    """Answers the Triton lowering's compute-capability query with 9.0 (Hopper)."""
-    fake = types.SimpleNamespace(get_gpu_info=lambda *args, **kwargs: types.SimpleNamespace(compute_capability="9.0"))
+    """Answers the Triton lowering's compute-capability query with 90 (Hopper; an int, as
+    `gpu_info.GpuInfo` has it: the float8 conversions compare it with 89)."""
+    fake = types.SimpleNamespace(get_gpu_info=lambda *args, **kwargs: types.SimpleNamespace(compute_capability=90))
     monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake)
 
 
@@ -160,3 +161,70 @@ def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overri
     k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
     shapes = tensor_shapes(text)
     assert shapes and not score_sized(shapes, q_lens, k_lens), score_sized(shapes, q_lens, k_lens)
+
+
+DECODE_CASES = [
+    # (page_size, cache dtype, scales, q_len, window)
+    pytest.param(None, jnp.bfloat16, None, 1, None, id="contiguous"),
+    pytest.param(256, jnp.bfloat16, None, 1, None, id="paged256"),  # two key tiles per page
+    pytest.param(16, jnp.float8_e4m3fn, "page", 7, (128, None), id="paged16-fp8-per-page-q7-window"),  # pages gathered
+    pytest.param(None, jnp.float8_e4m3fn, "head", 33, None, id="contiguous-fp8-per-head-q33"),  # two query tiles
+]
+
+
+def typed_tensors(text: str) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, element type) of every static `tensor<...>` type in an MLIR text."""
+    found = []
+    for body in re.findall(r"tensor<([^>]*)>", text):
+        *dims, element = body.split("x")
+        if all(d.isdigit() for d in dims):
+            found.append((tuple(int(d) for d in dims), element))
+    return found
+
+
+def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window):
+    """(StableHLO text of a decode call lowered for CUDA, the cache's shape, its capacity)."""
+    batch, heads, kv_heads, head_dim = 2, 32, 8, 128
+    S = jax.ShapeDtypeStruct
+    if page_size is None:
+        capacity, table = 4000, None
+        cache_shape = (batch, capacity, kv_heads, head_dim)
+    else:
+        capacity, table = 37 * page_size, S((batch, 37), jnp.int32)
+        cache_shape = (100, page_size, kv_heads, head_dim)
+    scale = None if scales is None else S((100, kv_heads) if scales == "page" else (kv_heads,), jnp.float32)
+    cache = KVCache(S(cache_shape, cache_dtype), S(cache_shape, cache_dtype), S((batch,), jnp.int32), table, scale, scale)
+    params = DecodeParams(scale=head_dim**-0.5, causal=True, window=window, sm_count=132, interpret=False)
+    decode = backends.get(backend).decode.run
+    text = jax.jit(lambda q, cache: decode(q, cache, params)).trace(
+        S((batch, q_len, heads, head_dim), jnp.bfloat16), cache).lower(lowering_platforms=("cuda",)).as_text()
+    return text, cache_shape, capacity
+
+
+def cache_copies(text: str, cache_shape, capacity: int, cache_element: str) -> list:
+    """Tensors that copy the cache: of its shape in another element type (converted), or
+    [B, capacity, ...] other than the cache itself (gathered or padded)."""
+    tensors = typed_tensors(text)
+    assert tensors, "no tensor types parsed: the check would be vacuous"
+    return [
+        (shape, element) for shape, element in tensors
+        if (shape == cache_shape and element != cache_element) or (shape[:2] == (2, capacity) and shape != cache_shape)
+    ]
+
+
+@pytest.mark.parametrize("page_size,cache_dtype,scales,q_len,window", DECODE_CASES)
+def test_decode_kernel_lowers_to_triton_for_sm90(fake_h100, page_size, cache_dtype, scales, q_len, window):
+    """The split-KV decode kernel lowers for sm_90 (page-table reads, float8 conversions), and the
+    cache is read in place: no gathered [B, capacity, Hkv, D] copy, no converted copy."""
+    text, cache_shape, capacity = lower_decode("triton", page_size, cache_dtype, scales, q_len, window)
+    assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
+    cache_element = {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8E4M3FN"}[cache_dtype]
+    assert not cache_copies(text, cache_shape, capacity, cache_element)
+
+
+def test_cache_copy_check_finds_xla_copies():
+    """Positive control: the xla decode path dequantises and gathers the cache, and the check sees it."""
+    text, cache_shape, capacity = lower_decode("xla", 16, jnp.float8_e4m3fn, "page", 1, None)
+    assert TRITON_CALL not in text
+    copies = cache_copies(text, cache_shape, capacity, "f8E4M3FN")
+    assert (cache_shape, "f32") in copies and any(shape[:2] == (2, capacity) for shape, _ in copies)

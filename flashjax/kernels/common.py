@@ -1,4 +1,5 @@
-"""Pieces shared by every kernel backend's glue: the base-2 constants, token padding and the backward's per-row inputs."""
+"""Pieces shared by every kernel backend's glue: the base-2 constants, token padding, the backward's per-row
+inputs, and the exact merge of partial results (ring attention's steps, split-KV decoding's splits)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,17 @@ def backward_rows(o, do, lse, dlse, q_len: int):
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
     rows = ((0, 0), (0, 0), (0, q_len - lse.shape[2]))
     return jnp.pad(lse2, rows, constant_values=jnp.inf), jnp.pad(delta, rows)
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two partial attentions over disjoint key sets (o float32 [B,T,H,D], lse [B,H,T]).
+
+    With natural-log lse: ``lse = logaddexp(lse_a, lse_b)`` and
+    ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``. A part without keys (o = 0,
+    lse = -inf) gets weight 0.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    # Rows that no key reached yet keep lse = -inf and o = 0: shift by 0, not by -inf.
+    safe = jnp.where(lse == -jnp.inf, 0.0, lse)
+    weight = lambda part: jnp.transpose(jnp.exp(part - safe), (0, 2, 1))[..., None]
+    return weight(lse_a) * o_a + weight(lse_b) * o_b, lse

@@ -5,6 +5,9 @@ what no kernel supports (float64 and complex inputs, head dims over 256). It run
 float32, or in the inputs' dtype when that is wider. When it runs a whole call, JAX
 differentiates it directly; `backward` serves ring attention, which hands it the
 merged (o, lse) of several calls.
+
+Its decode path (`decode`, for `flashjax.decode_attention`) gathers a paged cache into
+a contiguous one, dequantises a float8 cache and masks each sequence by its length.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from flashjax import backends, reference
-from flashjax.params import AttentionParams, Extras
+from flashjax.params import AttentionParams, DecodeParams, Extras, KVCache
 
 
 def _attend(q, k, v, extras: Extras, params: AttentionParams):
@@ -58,6 +61,35 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
 
+def _dense(x, scale, page_table, dtype):
+    """One side of the cache as a contiguous [B, capacity, Hkv, D] array in `dtype`, dequantised."""
+    x = x.astype(dtype)
+    if scale is not None:
+        # [Hkv] per kv head, or [num_pages, Hkv] per page of [num_pages, page_size, Hkv, D].
+        x = x * (scale[:, None, :, None] if scale.ndim == 2 else scale[:, None]).astype(dtype)
+    if page_table is not None:
+        x = x[page_table]  # [B, pages_per_seq, page_size, Hkv, D]
+        x = x.reshape(x.shape[0], -1, *x.shape[3:])
+    return x
+
+
+def decode(q, cache: KVCache, params: DecodeParams):
+    """o [B, q_len, H, D] in q's dtype and the lse [B, H, q_len] of a decode call, by the reference.
+
+    Materialises the cache (gathered, in float32) and the [B, H, q_len, capacity] scores.
+    """
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    k = _dense(cache.k, cache.k_scale, cache.page_table, dtype)
+    v = _dense(cache.v, cache.v_scale, cache.page_table, dtype)
+    q_len, capacity = q.shape[1], k.shape[1]
+    lengths = cache.lengths[:, None, None, None]
+    # Query i of a sequence of length L sits at key position L - q_len + i.
+    rows = lengths - q_len + jnp.arange(q_len)[:, None]
+    allowed = params.mask_spec(q_len).allowed(rows, jnp.arange(capacity)[None, :], kv_length=lengths)
+    o, lse = reference.attention(q, k, v, scale=params.scale, softcap=params.softcap, mask=allowed, return_lse=True)
+    return o.astype(q.dtype), lse
+
+
 BACKEND = backends.Backend(
     name="xla",
     description="the pure-JAX reference (materialises the scores)",
@@ -66,4 +98,5 @@ BACKEND = backends.Backend(
     forward=forward,
     backward=backward,
     differentiable=True,
+    decode=backends.Decoder(supports=lambda call: [], run=decode),
 )

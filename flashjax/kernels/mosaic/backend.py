@@ -121,4 +121,7 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
+    # No decode path yet: a Hopper split-KV kernel would plug in here as a backends.Decoder
+    # (decode_attention then tries it first on sm90, before the Triton one).
+    decode=None,
 )

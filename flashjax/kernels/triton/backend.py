@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from flashjax import backends, masks
 from flashjax.kernels import common
-from flashjax.kernels.triton import bwd as triton_bwd, fwd as triton_fwd
+from flashjax.kernels.triton import bwd as triton_bwd, decode as triton_decode, fwd as triton_fwd
 from flashjax.kernels.triton.config import MAX_HEAD_DIM, TritonConfig
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import AttentionParams, Call, Extras
@@ -37,6 +37,8 @@ def supports(call: Call) -> list[str]:
 
 
 def declines(call: Call) -> list[str]:
+    """Why auto passes the kernels by: interpret mode past INTERPRET_LIMIT score entries
+    (for a `Call` and, through `scores`, a decode call's `DecodeCall` alike)."""
     if call.platform != "gpu" and call.scores > INTERPRET_LIMIT:
         return [f"no GPU: interpret mode is used up to {INTERPRET_LIMIT} score entries (B*H*Tq*Tk), "
                 f"this call has {call.scores}"]
@@ -187,4 +189,5 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
+    decode=backends.Decoder(supports=triton_decode.supports, run=triton_decode.decode, declines=declines),
 )

@@ -141,7 +141,7 @@ def query_tile(scorer: "Scorer", x, *, block_q: int, heads: int) -> QueryTile:
     )
 
 
-def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=None):
+def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=None, precision=None):
     """One step of FlashAttention's running softmax over a key tile.
 
     Args:
@@ -154,6 +154,9 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=N
         seen no key yet, and m stays -inf.
       keep: dropout keep mask of the tile; dropped weights still count in l
         (dropout acts on the normalised probabilities).
+      v_scale: the values' dequantisation scale (a float8 cache's), a scalar or per key
+        row [1, block_k]: it multiplies the weights in the P.V product only, so l
+        sums the unscaled weights.
 
     Returns:
       The updated (acc, m, l).
@@ -167,6 +170,8 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, precision=N
     l = l * alpha + jnp.sum(p, axis=1)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
+    if v_scale is not None:
+        p = p * v_scale
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
     return acc, m_new, l
 

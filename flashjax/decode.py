@@ -1,0 +1,186 @@
+"""`decode_attention`: a few new queries per sequence against a KV cache (decoding, chunked
+prefill, speculative verification); forward only. Argument checks, then the registry
+(`backends.choose_decode`), then the chosen backend's `Decoder`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flashjax import backends, checks
+from flashjax.params import DecodeCall, DecodeParams, KVCache
+
+__all__ = ["decode_attention"]
+
+
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    kv_lengths,
+    *,
+    page_table=None,
+    causal: bool = True,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    k_scale=None,
+    v_scale=None,
+    num_splits: int | None = None,
+):
+    """Attention of a few new queries per sequence over a KV cache, read in place.
+
+    Sequence ``b`` holds ``L = kv_lengths[b]`` tokens in the cache, the new queries' own
+    keys included (write them into the cache first). Its query ``i`` sits at key position
+    ``i' = L - q_len + i``: the masks are aligned to the bottom right of each sequence's
+    *own* length. Per sequence and query head ``h`` (kv head ``g = h // (heads // kv_heads)``)::
+
+      logits = scale * q[h] @ k[g, :L]^T                 # k dequantised: k_cache * k_scale
+      logits = softcap * tanh(logits / softcap)          # if softcap
+      logits = -inf where j > i' (causal), or outside [i' - left, i' + right] (window)
+      out = softmax(logits) @ v[g, :L]
+
+    This is `flash_attention(q, k[:, :L], v[:, :L], causal=..., window=...)` per sequence.
+    A query that sees no key (``L = 0``, or ``i' < 0`` under ``causal``: a sequence shorter
+    than the chunk) outputs 0 with lse ``-inf``. Forward only: it is for inference, and
+    ``jax.grad`` through it raises; train with `flashjax.flash_attention`. Works under
+    ``jit`` and ``vmap``.
+
+    The Triton kernel (``backend="triton"``, what ``auto`` takes where it can) splits each
+    sequence's keys over several programs (flash-decoding), reads every K/V byte once per
+    kv head for all the query heads of its group, follows the page table in the kernel,
+    skips the tiles past each length or outside the window, and dequantises float8 tiles
+    in registers; the splits are merged exactly through their logsumexps.
+
+    Example::
+
+      # 8 sequences, one new token each, 32 query heads over 8 kv heads, a paged bf16 cache
+      out = flashjax.decode_attention(q, k_pages, v_pages, lengths, page_table=table)
+      # q [8, 1, 32, 128]; k_pages, v_pages [num_pages, 64, 8, 128]; table int32 [8, pages_per_seq]
+
+    Args:
+      q: new queries [batch, q_len, heads, head_dim]; q_len is small (1 for decoding, up
+        to a few hundred for chunked prefill or speculative verification).
+      k_cache: keys, contiguous [batch, max_len, kv_heads, head_dim], or paged
+        [num_pages, page_size, kv_heads, head_dim] with ``page_table``. Same dtype as q,
+        or float8_e4m3fn with ``k_scale`` and ``v_scale``. ``kv_heads`` divides ``heads``.
+      v_cache: values, same shape and dtype as ``k_cache``.
+      kv_lengths: int [batch]: tokens held by each sequence, in [0, capacity] (``max_len``,
+        or ``pages_per_seq * page_size``). Keys at or past it are never read.
+      page_table: int [batch, pages_per_seq]: page ``p`` of sequence ``b`` (its keys
+        ``p * page_size ...``) is ``k_cache[page_table[b, p]]``. Entries past a sequence's
+        last page are not read (any value, e.g. -1, is fine there).
+      causal: query ``i`` attends keys ``j <= i'`` (default True: the new tokens see the
+        cache and each other causally).
+      window: ``(left, right)``: query ``i`` attends keys ``i' - left <= j <= i' + right``;
+        ``None`` for an unbounded side. With ``causal`` the right side is 0.
+      softcap: if set (a static number > 0), ``softcap * tanh(logits / softcap)``.
+      scale: logit scale (static); defaults to ``1 / sqrt(head_dim)``.
+      return_lse: also return the row logsumexp ``[batch, heads, q_len]`` (natural log,
+        float32; ``-inf`` for queries without keys).
+      backend: ``"auto"`` (default), ``"triton"`` (the split-KV kernel; interpret mode
+        without a GPU) or ``"xla"`` (the reference: gathers the pages, dequantises, masks
+        by the lengths and materialises the scores). ``auto`` takes the first backend of
+        the platform's order (`flashjax.backends`) whose decode path supports the call;
+        the Hopper (``"mosaic"``) backend has none yet. A named backend that cannot run
+        the call raises ``NotImplementedError`` with its reasons.
+      k_scale, v_scale: float32 dequantisation scales of a float8 cache (the cache holds
+        value / scale): per kv head ``[kv_heads]``, or per page ``[num_pages, kv_heads]``
+        for a paged cache. Required with a float8 cache, refused with another.
+      num_splits: parts each sequence's keys are split into (a static int), ``None`` to
+        choose from the batch, kv heads, cache length and the GPU's SM count
+        (`flashjax.kernels.triton.decode.num_splits`). The xla backend ignores it.
+
+    Returns:
+      The output ``[batch, q_len, heads, head_dim]`` in q's dtype, and with
+      ``return_lse=True`` a pair ``(output, lse)``.
+
+    Raises:
+      ValueError: for inconsistent shapes or dtypes, a page table that does not fit,
+        scales that do not fit the cache, bad options, and (for concrete arrays) lengths
+        outside [0, capacity] or used page-table entries outside [0, num_pages); the
+        message names the argument. (Checking a concrete array reads it to the host, a
+        device sync per call: call it under ``jit`` in a decoding loop.) Traced lengths and page tables (under ``jit`` or
+        ``vmap``) cannot be checked: lengths are then clamped to [0, capacity] and page
+        indices to [0, num_pages), so no read leaves the cache, but a bad value gives a
+        wrong result rather than an error.
+      NotImplementedError: when the named backend cannot run the call; under
+        ``jax.grad`` (decode_attention has no gradient).
+    """
+    cache, call, params = _prepare(
+        q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,
+        scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+    )
+    choice = backends.choose_decode(call, backend)
+    with jax.named_scope("decode_attention"):
+        out, lse = _decode(q, cache, DecodeParams(**params, backend=choice.backend))
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, softcap, scale, k_scale, v_scale,
+             num_splits):
+    """Checks the arguments; returns (KVCache, DecodeCall, DecodeParams fields without the backend)."""
+    capacity, page_size = checks.check_cache(q, k_cache, v_cache, page_table)
+    batch, q_len, heads, head_dim = q.shape
+    num_pages, kv_heads = (k_cache.shape[0] if page_size is not None else None), k_cache.shape[2]
+    if kv_lengths is None:
+        raise ValueError("kv_lengths is required: int [batch], the tokens each sequence holds in the cache.")
+    lengths = checks.check_lengths("kv_lengths", kv_lengths, batch)
+    k_scale = checks.check_cache_scale("k_scale", k_scale, k_cache.dtype, kv_heads, num_pages)
+    v_scale = checks.check_cache_scale("v_scale", v_scale, k_cache.dtype, kv_heads, num_pages)
+    if k_scale is not None and k_scale.shape != v_scale.shape:
+        raise ValueError(f"k_scale and v_scale must both be per kv head or both per page, got {k_scale.shape} and {v_scale.shape}.")
+    checks.check_cache_contents(lengths, page_table, capacity, page_size, num_pages)
+    if not isinstance(causal, (bool, jnp.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}.")
+    window = checks.check_window(window)
+    softcap = checks.check_softcap(softcap)
+    scale = checks.check_scale(scale, head_dim)
+    num_splits = checks.check_num_splits(num_splits)
+    cache = KVCache(k_cache, v_cache, lengths, page_table, k_scale, v_scale)
+    platform, capability = backends.describe_device()
+    call = DecodeCall(
+        batch=batch, q_len=q_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=jnp.dtype(q.dtype),
+        cache_dtype=jnp.dtype(k_cache.dtype), capacity=capacity, page_size=page_size,
+        scales=None if k_scale is None else ("head" if k_scale.ndim == 1 else "page"), causal=bool(causal),
+        window=window, softcap=softcap, platform=platform, compute_capability=capability,
+    )
+    params = dict(
+        scale=scale, causal=bool(causal), window=window, softcap=softcap, num_splits=num_splits,
+        sm_count=backends.sm_count(), interpret=platform != "gpu",
+    )
+    return cache, call, params
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _decode(q, cache: KVCache, params: DecodeParams):
+    # Traced values escape the API's checks: keep every read inside the cache.
+    if cache.page_table is None:
+        lengths = jnp.clip(cache.lengths, 0, cache.k.shape[1])
+    else:
+        lengths = jnp.clip(cache.lengths, 0, cache.page_table.shape[1] * cache.k.shape[1])
+        cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
+    return _forward_only(q, cache._replace(lengths=lengths), params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _forward_only(q, cache: KVCache, params: DecodeParams):
+    return backends.get(params.backend).decode.run(q, cache, params)
+
+
+def _forward_only_fwd(q, cache: KVCache, params: DecodeParams):
+    return _forward_only(q, cache, params), None
+
+
+def _forward_only_bwd(params: DecodeParams, residuals, cotangents):
+    raise NotImplementedError(
+        "flashjax.decode_attention is forward only (inference): it has no gradient. "
+        "Train with flashjax.flash_attention, which is differentiable (it takes kv_lengths for padded caches)."
+    )
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)

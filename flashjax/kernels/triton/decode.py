@@ -1,0 +1,354 @@
+"""Split-KV decoding (flash-decoding) in Pallas, lowered through Triton: a few new queries
+against a long KV cache, contiguous or paged, bfloat16/float16/float32 or float8.
+
+With one or a few queries per sequence, FlashAttention's parallelism over query tiles
+vanishes: a grid of (batch, kv head) programs is far smaller than the GPU. The kernel
+therefore also splits each sequence's keys into `num_splits` parts: one program per
+(batch, kv head, split, query tile) walks its part of the keys with the online softmax
+and writes a partial output and its logsumexp; the partials are merged exactly in XLA
+(`common.merge`, the merge of ring attention).
+
+* **One K/V read per kv head.** The query tile of a program holds every query head of
+  its kv group at once: row ``r`` is query ``r // group`` of head ``r % group`` (q_len x
+  group rows, padded to a power of two >= 16, Triton's smallest dot). Each K/V byte is
+  read once per kv head and query tile, not once per query head.
+* **Per-sequence alignment.** Query ``i`` of a sequence holding ``L`` tokens sits at key
+  position ``L - q_len + i``: the rows are passed to `MaskSpec` (offset 0) as these
+  positions, with ``L`` as the keys' length, so causal and window masks, and the tile
+  ranges of `MaskSpec.kv_range_at`, are those of `flash_attention` per sequence. Key
+  tiles past ``L`` or outside the window are never read.
+* **Balanced splits.** A program's split is its share of the tiles its query tile meets
+  in *its* sequence (``cdiv(tiles, num_splits)`` each): short and long sequences of one
+  batch each spread over all splits.
+* **Paged caches** are read through the page table in the kernel: a key tile is a slice
+  of one page (pages >= the tile) or a gather of whole pages (smaller pages); the cache
+  is never copied or gathered in HBM.
+* **float8 caches** (float8_e4m3fn) are converted to q's dtype in the kernel (exact) and
+  dequantised in float32: the k scale multiplies q.k, the v scale the weights of P.V
+  (not the softmax sum), per kv head or per page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flashjax import masks
+from flashjax.kernels import common
+from flashjax.kernels.triton import scoring
+from flashjax.kernels.triton.config import MAX_HEAD_DIM, next_power_of_two
+from flashjax.kernels.triton.scoring import Scorer
+from flashjax.params import DecodeCall, DecodeParams, KVCache
+
+__all__ = ["supports", "decode", "num_splits", "DecodeTiling"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+FLOAT8 = "float8_e4m3fn"
+# Query rows (q_len x group) per program; longer chunks get several query tiles.
+MAX_BLOCK_Q = 64
+# A split reads at least this many key tiles: below it the per-program prologue and the
+# partials' write and merge cost more than the parallelism gains.
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 128
+# Waves of programs the splits aim for: with more than one, a program that finishes early
+# (a short sequence, a partial last split) leaves no SM idle for long.
+TARGET_WAVES = 2
+# Without a GPU (interpret mode, tests): enough splits to run the split path and the merge.
+CPU_SPLITS = 2
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(call: DecodeCall) -> list[str]:
+    """Why the Triton decode kernel cannot run `call` (empty when it can)."""
+    reasons = []
+    if jnp.dtype(call.dtype).name not in DTYPES:
+        reasons.append(f"{jnp.dtype(call.dtype).name} queries (the kernel takes bfloat16, float16 or float32)")
+    if not (_is_power_of_two(call.head_dim) and 16 <= call.head_dim <= MAX_HEAD_DIM):
+        reasons.append(
+            f"head_dim {call.head_dim} (the kernel reads the cache in place, so the head dim must be a power "
+            f"of two in [16, {MAX_HEAD_DIM}]; padding it would copy the cache)"
+        )
+    if call.page_size is None and call.capacity % 16:
+        reasons.append(
+            f"a contiguous cache of max_len {call.capacity} (the kernel reads whole tiles of 16 keys or more; "
+            "allocate the cache in multiples of 16)"
+        )
+    if call.page_size is not None and not _is_power_of_two(call.page_size):
+        reasons.append(f"page_size {call.page_size} (the kernel needs a power of two)")
+    if jnp.dtype(call.cache_dtype).name == FLOAT8 and call.platform == "gpu":
+        major, _, minor = call.compute_capability.partition(".")
+        if major.isdigit() and (int(major), int(minor or 0)) < (8, 9):
+            reasons.append(f"a float8 cache on compute capability {call.compute_capability} (Triton converts float8_e4m3fn on sm89+)")
+    return reasons
+
+
+def num_splits(*, programs: int, key_tiles: int, sm_count: int) -> int:
+    """How many parts each sequence's keys are split into.
+
+    Args:
+      programs: programs of the grid without splits (batch x kv heads x query tiles).
+      key_tiles: key tiles of the longest sequence the cache holds (capacity / block_k).
+      sm_count: streaming multiprocessors of the GPU; 0 without one.
+
+    Returns:
+      1 when the programs already fill ``TARGET_WAVES`` waves of the GPU (large batches);
+      else enough splits for that many waves, each split reading at least
+      ``MIN_TILES_PER_SPLIT`` tiles, at most ``MAX_SPLITS``. Without a GPU, ``CPU_SPLITS``
+      (interpret mode runs the programs one by one: more splits only cost time).
+      E.g. on an H100 (132 SMs) with 8 kv heads and one query tile: batch 1 at 32k keys
+      (256 tiles of 128) takes 33 splits, batch 8 takes 5, batch 64 takes 1.
+    """
+    most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
+    if sm_count <= 0:
+        return min(CPU_SPLITS, most)
+    return max(1, min(-(-(TARGET_WAVES * sm_count) // programs), most))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """The static shape of one decode launch (the kernel specialises on it).
+
+    Attributes:
+      q_len, group: queries per sequence and query heads per kv head.
+      block_q: query rows (q_len x group, query-major) per program.
+      block_k: keys per step of the key loop.
+      page_size: keys per page; None for a contiguous cache.
+      num_splits: parts of each sequence's keys, one program each.
+      num_warps, num_stages: Triton's launch and pipelining parameters.
+    """
+
+    q_len: int
+    group: int
+    block_q: int
+    block_k: int
+    page_size: int | None
+    num_splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            if not (_is_power_of_two(getattr(self, name)) and getattr(self, name) >= 16):
+                raise ValueError(f"DecodeTiling.{name} must be a power of two >= 16, got {getattr(self, name)}.")
+        if self.page_size is not None and not _is_power_of_two(self.page_size):
+            raise ValueError(f"DecodeTiling.page_size must be a power of two, got {self.page_size}.")
+
+    @property
+    def rows(self) -> int:
+        return self.q_len * self.group
+
+    @property
+    def q_tiles(self) -> int:
+        return -(-self.rows // self.block_q)
+
+    @property
+    def pages_per_tile(self) -> int:
+        """Pages gathered into one key tile (pages smaller than a tile)."""
+        return max(1, self.block_k // self.page_size)
+
+    @property
+    def tiles_per_page(self) -> int:
+        """Key tiles in one page (pages larger than a tile)."""
+        return max(1, self.page_size // self.block_k)
+
+
+def tiling(q, cache: KVCache, splits: int | None, sm_count: int) -> DecodeTiling:
+    """The tiles of a call: block_k 128 (64 above head dim 128, and for float32 at head dim
+    >= 128, whose tiles take twice the registers), the largest power of two <= that dividing
+    a contiguous cache's length; block_q the rows rounded up to a power of two, <= MAX_BLOCK_Q."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = cache.k.shape[2]
+    group = heads // kv_heads
+    block_k = 128 if head_dim <= 128 else 64
+    if jnp.dtype(q.dtype) == jnp.float32 and head_dim >= 128:
+        block_k //= 2
+    if cache.page_table is None:
+        capacity = cache.k.shape[1]
+        block_k = math.gcd(block_k, capacity)  # both powers of two times something; >= 16 by `supports`
+        page_size = None
+    else:
+        page_size = cache.k.shape[1]
+        capacity = cache.page_table.shape[1] * page_size
+    block_q = min(MAX_BLOCK_Q, max(16, next_power_of_two(q_len * group)))
+    t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1)
+    if splits is None:
+        splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=-(-capacity // block_k), sm_count=sm_count)
+    return dataclasses.replace(t, num_splits=splits)
+
+
+class _CacheRefs(NamedTuple):
+    """The kernel's cache inputs (absent ones None)."""
+
+    k: object
+    v: object
+    page_table: object = None
+    k_scale: object = None
+    v_scale: object = None
+
+
+def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer: Scorer, t: DecodeTiling,
+                   num_k_tiles: int, scales: str | None):
+    batch, head, split, q_tile = (pl.program_id(i) for i in range(4))
+    block_q, head_dim = q_ref.shape
+    block_k = t.block_k
+    spec = scorer.spec
+    length = lengths_ref[batch]
+    # Row r holds query r // group; bottom-right aligned to this sequence's own length.
+    first = q_tile * block_q
+    offset = length - t.q_len
+    rows = offset + lax.div(first + jnp.arange(block_q, dtype=jnp.int32)[:, None], t.group)
+    last = jnp.minimum(first + block_q, t.rows) - 1  # padded rows do not widen the range
+    tiles = spec.kv_range_at(offset + lax.div(first, t.group), offset + lax.div(last, t.group), length, block_k, num_k_tiles)
+    per_split = lax.div(tiles.hi - tiles.lo + (t.num_splits - 1), t.num_splits)
+    lo = tiles.lo + split * per_split
+    tiles = masks.restrict(tiles, lo, lo + per_split)
+    precision = scoring.dot_precision(q_ref.dtype)
+    q = q_ref[...]
+    # Scales per kv head are one number for the whole loop.
+    k_scale = c.k_scale[head] if scales == "head" else None
+    v_scale = c.v_scale[head] if scales == "head" else None
+
+    def load(ref, scale_ref, j):
+        """Key tile j (keys j * block_k ...) of a cache ref, and its per-page scales if any."""
+        if t.page_size is None:
+            return ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :], None
+        if t.page_size >= block_k:  # a slice of one page
+            page = c.page_table[lax.div(j, t.tiles_per_page)]
+            start = pl.multiple_of(lax.rem(j, t.tiles_per_page) * block_k, block_k)
+            scale = scale_ref[page] if scales == "page" else None
+            return ref[page, pl.ds(start, block_k), :], scale
+        n = t.pages_per_tile  # whole pages gathered
+        pages = c.page_table[pl.ds(pl.multiple_of(j * n, n), n)]
+        scale = None
+        if scales == "page":
+            scale = jnp.broadcast_to(scale_ref[pages][:, None], (n, t.page_size)).reshape(1, block_k)
+        return ref[pages].reshape(block_k, head_dim), scale
+
+    def step(j, carry, masked):
+        acc, m, l = carry
+        k, k_page_scale = load(c.k, c.k_scale, j)
+        v, v_page_scale = load(c.v, c.v_scale, j)
+        cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+        # A float8 tile converts exactly to q's dtype; its scale is applied in float32.
+        qk = scoring.dot(q, k.astype(q.dtype), trans_b=True, precision=precision)
+        k_factor = k_scale if k_page_scale is None else k_page_scale
+        if k_factor is not None:
+            qk = qk * k_factor
+        s, _ = scorer.logits(qk, rows, cols)
+        if masked:
+            s = scorer.mask(s, rows, cols, kv_length=length)
+        v_factor = v_scale if v_page_scale is None else v_page_scale
+        return scoring.online_softmax_step(
+            acc, m, l, s, v.astype(q.dtype), masked=masked, v_scale=v_factor, precision=precision,
+        )
+
+    carry = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    # The upper boundary always exists: the last tile of a sequence may be partial.
+    acc, m, l = scoring.visit_tiles(tiles, step, carry, spec.left is not None, True)
+    # Rows that met no key in this split output 0 with lse -inf (weight 0 in the merge).
+    empty = l == 0.0
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    o_ref[...] = acc * inv_l[:, None]
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _scales_kind(cache: KVCache) -> str | None:
+    if cache.k_scale is None:
+        return None
+    return "head" if cache.k_scale.ndim == 1 else "page"
+
+
+def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
+    """Runs the kernel: per split, the normalised partial output and its base-2 lse.
+
+    Args:
+      q: [B, q_len, H, D]; cache: as `KVCache` documents it, lengths within the capacity.
+
+    Returns:
+      o float32 [B, Hkv, num_splits, q_tiles * block_q, D] and lse2 float32
+      [B, Hkv, num_splits, q_tiles * block_q]; row r is query r // group, head r % group.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = cache.k.shape[2]
+    padded_rows = t.q_tiles * t.block_q
+    q_rows = q.reshape(batch, q_len, kv_heads, t.group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, kv_heads, t.rows, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - t.rows), (0, 0)))
+    scales = _scales_kind(cache)
+    if cache.page_table is None:
+        capacity = cache.k.shape[1]
+        kv_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s, i: (b, 0, h, 0))
+        table = table_spec = None
+    else:
+        num_pages, page_size = cache.k.shape[:2]
+        # Whole tiles of table entries (the padding entries, page 0, lie past every length).
+        pages = common.round_up(cache.page_table.shape[1], t.pages_per_tile)
+        table = jnp.pad(cache.page_table, ((0, 0), (0, pages - cache.page_table.shape[1])))
+        capacity = pages * page_size
+        kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s, i: (0, 0, h, 0))
+        table_spec = pl.BlockSpec((None, pages), lambda b, h, s, i: (b, 0))
+    if scales == "head":
+        scale_spec = pl.BlockSpec((kv_heads,), lambda b, h, s, i: (0,))
+    elif scales == "page":
+        scale_spec = pl.BlockSpec((cache.k_scale.shape[0], None), lambda b, h, s, i: (0, h))
+    else:
+        scale_spec = None
+    kernel = functools.partial(
+        _decode_kernel, scorer=Scorer(spec=params.mask_spec(q_len), scale=params.scale, softcap=params.softcap),
+        t=t, num_k_tiles=capacity // t.block_k, scales=scales,
+    )
+    refs = _CacheRefs(cache.k, cache.v, table, cache.k_scale, cache.v_scale)
+    ref_specs = _CacheRefs(kv_spec, kv_spec, table_spec, scale_spec, scale_spec)
+    out_index = lambda b, h, s, i: (b, h, s, i)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, t.num_splits, t.q_tiles),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda b, h, s, i: (0,)),
+            pl.BlockSpec((None, None, t.block_q, head_dim), lambda b, h, s, i: (b, h, i, 0)),
+            ref_specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, t.block_q, head_dim), lambda b, h, s, i: (*out_index(b, h, s, i), 0)),
+            pl.BlockSpec((None, None, None, t.block_q), out_index),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=params.interpret,
+        name="flashjax_decode",
+    )(cache.lengths, q_rows, refs)
+
+
+def decode(q, cache: KVCache, params: DecodeParams):
+    """The Triton decode path: o [B, q_len, H, D] in q's dtype and the natural-log lse [B, H, q_len]."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads = cache.k.shape[2]
+    t = tiling(q, cache, params.num_splits, params.sm_count)
+    o, lse2 = partials(q, cache, params, t)
+    # Rows back to [split, B, q_len, H, ...] (head h * group + g), the layout `merge` takes.
+    o = o[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group, head_dim)
+    o = o.transpose(2, 0, 3, 1, 4, 5).reshape(t.num_splits, batch, q_len, heads, head_dim)
+    lse = lse2[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group) * common.LN2
+    lse = lse.transpose(2, 0, 1, 4, 3).reshape(t.num_splits, batch, heads, q_len)
+    out, out_lse = o[0], lse[0]
+    for split in range(1, t.num_splits):
+        out, out_lse = common.merge(out, out_lse, o[split], lse[split])
+    return out.astype(q.dtype), out_lse

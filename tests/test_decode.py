@@ -1,0 +1,317 @@
+"""`flashjax.decode_attention` against the reference: contiguous and paged caches, GQA/MQA,
+one and several new queries, causal, window and softcap, float8 caches, the split-KV
+merge, jit/vmap, the choice of backend, the gradient error and the argument errors.
+
+The oracle is `flashjax.reference.attention` in float32 on the dequantised cache with each
+sequence's keys moved to the end of the key axis (a roll by ``capacity - L``) and the keys
+before them masked out: the reference's bottom-right alignment by array lengths is then
+the per-sequence alignment decode_attention promises (query i at key position
+``L - q_len + i``), with no mask code shared with the implementations under test.
+
+On the CPU the Triton kernel runs in interpret mode; sizes are small (head dim 32,
+capacities of a few hundred keys), so the whole file takes about a minute.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flashjax
+from flashjax import backends, reference
+from flashjax.kernels.triton import decode as triton_decode
+from flashjax.params import DecodeCall
+
+from conftest import check_close, check_lse
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+F32, BF16, F16, FP8 = jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn
+D = 32
+
+
+class Cache(NamedTuple):
+    """What decode_attention takes (k, v, page_table, scales) and the dense float32 truth."""
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array | None
+    k_scale: jax.Array | None
+    v_scale: jax.Array | None
+    dense_k: np.ndarray  # [B, capacity, Hkv, D], dequantised
+    dense_v: np.ndarray
+
+    def kwargs(self):
+        return dict(page_table=self.page_table, k_scale=self.k_scale, v_scale=self.v_scale)
+
+
+def make_cache(rng, batch, capacity, kv_heads, dtype, *, page_size=None, scales=None) -> Cache:
+    """Random caches; paged ones through a random page table over a pool with spare pages.
+
+    ``scales``: None, "head" or "page": a float8 cache storing value / scale.
+    """
+    dense = rng.standard_normal((2, batch, capacity, kv_heads, D), dtype=np.float32)
+    if page_size is None:
+        store, table, pages = dense, None, None
+    else:
+        per_seq = capacity // page_size
+        num_pages = batch * per_seq + 3
+        table = rng.permutation(num_pages)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+        store = rng.standard_normal((2, num_pages, page_size, kv_heads, D), dtype=np.float32)
+        pages = num_pages
+    k_scale = v_scale = None
+    if scales is not None:
+        shape = (kv_heads,) if scales == "head" else (pages, kv_heads)
+        k_scale, v_scale = rng.uniform(0.25, 4.0, (2, *shape)).astype(np.float32)
+        per_row = lambda s: s[:, None, :, None] if scales == "page" else s[:, None]
+        store = np.stack([store[0] / per_row(k_scale), store[1] / per_row(v_scale)])
+        stored = np.asarray(jnp.asarray(store).astype(FP8).astype(F32))
+        store = np.stack([stored[0] * per_row(k_scale), stored[1] * per_row(v_scale)])  # dequantised
+        k, v = jnp.asarray(stored[0]).astype(FP8), jnp.asarray(stored[1]).astype(FP8)
+        k_scale, v_scale = jnp.asarray(k_scale), jnp.asarray(v_scale)
+    else:
+        store = np.asarray(jnp.asarray(store).astype(dtype).astype(F32))
+        k, v = jnp.asarray(store[0]).astype(dtype), jnp.asarray(store[1]).astype(dtype)
+    if table is not None:
+        dense = store[:, table].reshape(2, batch, capacity, kv_heads, D)
+    else:
+        dense = store
+    return Cache(k, v, None if table is None else jnp.asarray(table), k_scale, v_scale, dense[0], dense[1])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "softcap"))
+def _oracle(q, k, v, lengths, *, causal, window, softcap):
+    capacity = k.shape[1]
+    # Sequence b's L keys moved to the end: key j of the array is key j - (capacity - L).
+    shift = capacity - lengths
+    index = (jnp.arange(capacity)[None, :] - shift[:, None]) % capacity
+    take = lambda x: jnp.take_along_axis(x, index[:, :, None, None], axis=1)
+    valid = jnp.arange(capacity)[None, :] >= shift[:, None]
+    return reference.attention(
+        q.astype(F32), take(k), take(v), causal=causal, window=window, softcap=softcap,
+        mask=valid[:, None, None, :], return_lse=True,
+    )
+
+
+def oracle(q, cache: Cache, lengths, *, causal=True, window=None, softcap=None):
+    return _oracle(q, jnp.asarray(cache.dense_k), jnp.asarray(cache.dense_v), jnp.asarray(lengths),
+                   causal=causal, window=window, softcap=softcap)
+
+
+def draw_q(rng, batch, q_len, heads, dtype):
+    return jnp.asarray(rng.standard_normal((batch, q_len, heads, D), dtype=np.float32)).astype(dtype)
+
+
+def check(q, cache: Cache, lengths, *, backend="triton", num_splits=None, **options):
+    got_o, got_lse = flashjax.decode_attention(
+        q, cache.k, cache.v, jnp.asarray(lengths, jnp.int32), return_lse=True, backend=backend,
+        num_splits=num_splits, **cache.kwargs(), **options,
+    )
+    want_o, want_lse = oracle(q, cache, lengths, **options)
+    assert got_o.dtype == q.dtype and got_o.shape == q.shape
+    check_close(got_o, want_o, q.dtype, "o")
+    check_lse(got_lse, want_lse, q.dtype)
+
+
+# (batch, q_len, heads, kv_heads, capacity, dtype, causal, lengths)
+CONTIGUOUS = [
+    pytest.param(3, 1, 4, 2, 96, F32, True, [0, 37, 96], id="gqa-q1-f32"),
+    pytest.param(3, 7, 4, 1, 128, BF16, True, [3, 1, 100], id="mqa-q7-bf16"),  # L < q_len: early queries see nothing
+    pytest.param(2, 1, 2, 2, 48, F16, False, [1, 47], id="mha-q1-f16-full"),
+    pytest.param(2, 33, 2, 1, 160, F32, True, [40, 160], id="mqa-q33-f32"),  # 66 rows: two query tiles
+]
+
+
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,capacity,dtype,causal,lengths", CONTIGUOUS)
+def test_contiguous(rng, batch, q_len, heads, kv_heads, capacity, dtype, causal, lengths):
+    cache = make_cache(rng, batch, capacity, kv_heads, dtype)
+    check(draw_q(rng, batch, q_len, heads, dtype), cache, lengths, causal=causal)
+
+
+# (page_size, pages_per_seq, q_len, heads, kv_heads, dtype, causal, lengths)
+PAGED = [
+    pytest.param(16, 9, 1, 4, 2, BF16, True, [0, 1, 77, 144], id="p16-q1-gqa-bf16"),  # 8 pages per key tile
+    pytest.param(64, 3, 7, 4, 1, F32, True, [65, 6, 192], id="p64-q7-mqa-f32"),
+    pytest.param(256, 2, 1, 2, 2, F16, False, [300, 1], id="p256-q1-f16-full"),  # 2 key tiles per page
+]
+
+
+@pytest.mark.parametrize("page_size,pages_per_seq,q_len,heads,kv_heads,dtype,causal,lengths", PAGED)
+def test_paged(rng, page_size, pages_per_seq, q_len, heads, kv_heads, dtype, causal, lengths):
+    batch = len(lengths)
+    cache = make_cache(rng, batch, page_size * pages_per_seq, kv_heads, dtype, page_size=page_size)
+    check(draw_q(rng, batch, q_len, heads, dtype), cache, lengths, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "page_size,q_len,causal,window,softcap",
+    [
+        pytest.param(None, 7, True, (20, None), None, id="contiguous-causal-left20"),
+        pytest.param(16, 5, False, (9, 3), 5.0, id="p16-window-softcap"),
+        pytest.param(64, 1, True, None, 2.0, id="p64-softcap"),
+    ],
+)
+def test_window_and_softcap(rng, page_size, q_len, causal, window, softcap):
+    lengths = [150, 13, 192]
+    cache = make_cache(rng, 3, 192, 2, BF16, page_size=page_size)
+    check(draw_q(rng, 3, q_len, 4, BF16), cache, lengths, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize(
+    "page_size,scales,q_len,dtype",
+    [
+        pytest.param(None, "head", 1, BF16, id="contiguous-per-head-bf16"),
+        pytest.param(16, "page", 3, BF16, id="p16-per-page-bf16"),
+        pytest.param(64, "page", 1, F32, id="p64-per-page-f32"),
+        pytest.param(64, "head", 2, F16, id="p64-per-head-f16"),
+    ],
+)
+def test_float8_cache(rng, page_size, scales, q_len, dtype):
+    """Against the reference on the dequantised cache (float8 values times their scales)."""
+    lengths = [128, 29]
+    cache = make_cache(rng, 2, 128, 2, dtype, page_size=page_size, scales=scales)
+    check(draw_q(rng, 2, q_len, 4, dtype), cache, lengths)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_num_splits(rng, num_splits):
+    """Any number of splits merges to the same attention, splits without tiles included
+    (the long sequence meets 5 key tiles of 128, the short one 3)."""
+    cache = make_cache(rng, 2, 1024, 2, F32, page_size=64)
+    check(draw_q(rng, 2, 2, 4, F32), cache, [1000, 300], num_splits=num_splits, window=(600, None))
+
+
+def test_xla_backend(rng):
+    """The reference path: pages gathered, float8 dequantised, masked by the lengths."""
+    cache = make_cache(rng, 3, 64, 2, BF16, page_size=16, scales="page")
+    check(draw_q(rng, 3, 3, 4, BF16), cache, [0, 2, 50], backend="xla", window=(7, None))
+
+
+def test_jit_vmap_and_traced_lengths(rng):
+    cache = make_cache(rng, 2, 64, 1, F32, page_size=16)
+    q = draw_q(rng, 2, 1, 2, F32)
+    lengths = jnp.array([64, 9], jnp.int32)
+    want = flashjax.decode_attention(q, cache.k, cache.v, lengths, page_table=cache.page_table)
+
+    @jax.jit
+    def step(q, lengths, table):
+        return flashjax.decode_attention(q, cache.k, cache.v, lengths, page_table=table)
+
+    np.testing.assert_allclose(step(q, lengths, cache.page_table), want, rtol=1e-6, atol=1e-6)
+    # Traced lengths past the capacity are clamped to it (documented; not checkable).
+    np.testing.assert_allclose(step(q, lengths.at[0].set(1000), cache.page_table), want, rtol=1e-6, atol=1e-6)
+    # vmap over an extra leading axis of queries and lengths (the cache shared).
+    qs, ls = jnp.stack([q, q[::-1]]), jnp.stack([lengths, lengths[::-1]])
+    tables = jnp.stack([cache.page_table, cache.page_table[::-1]])
+    got = jax.vmap(lambda q, l, t: flashjax.decode_attention(q, cache.k, cache.v, l, page_table=t))(qs, ls, tables)
+    np.testing.assert_allclose(got[0], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[::-1], rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_raises(rng):
+    cache = make_cache(rng, 1, 32, 1, F32)
+    q = draw_q(rng, 1, 1, 2, F32)
+    loss = lambda q: flashjax.decode_attention(q, cache.k, cache.v, jnp.array([5], jnp.int32), backend="xla").sum()
+    with pytest.raises(NotImplementedError, match="decode_attention is forward only.*flash_attention"):
+        jax.grad(loss)(q)
+
+
+def _call(**overrides) -> DecodeCall:
+    fields = dict(batch=1, q_len=1, heads=8, kv_heads=2, head_dim=64, dtype=jnp.dtype(BF16), cache_dtype=jnp.dtype(BF16),
+                  capacity=1024, platform="cpu")
+    return DecodeCall(**{**fields, **overrides})
+
+
+def test_choice():
+    """auto takes the Triton kernel where it can (the Hopper backend has no decode path yet),
+    else the reference; a named backend that cannot raises with its reasons."""
+    choice = backends.choose_decode(_call(platform="gpu", compute_capability="9.0"))
+    assert choice.backend == "triton" and choice.passed == (("mosaic", ("no decode path",)),)
+    assert str(choice) == "forward: triton\n  not mosaic: no decode path"
+    assert backends.choose_decode(_call()).backend == "triton"
+    for unsupported in (dict(head_dim=96), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
+        assert backends.choose_decode(_call(**unsupported)).backend == "xla", unsupported
+        with pytest.raises(NotImplementedError, match="backend='triton'"):
+            backends.choose_decode(_call(**unsupported), "triton")
+    fp8_on_ampere = _call(platform="gpu", compute_capability="8.0", cache_dtype=jnp.dtype(FP8))
+    assert backends.choose_decode(fp8_on_ampere).backend == "xla"
+    # Without a GPU, auto passes interpret mode by for large calls; a named triton still runs.
+    big = _call(batch=64, heads=32, capacity=1 << 17)
+    assert backends.choose_decode(big).backend == "xla"
+    assert backends.choose_decode(big, "triton").backend == "triton"
+    with pytest.raises(NotImplementedError, match="no decode path"):
+        backends.choose_decode(_call(), "mosaic")
+
+
+def test_num_splits_heuristic():
+    # An H100 (132 SMs), 8 kv heads, one query tile, tiles of 128 keys.
+    splits = lambda batch, keys: triton_decode.num_splits(programs=batch * 8, key_tiles=keys // 128, sm_count=132)
+    assert splits(1, 32768) == 33 and splits(8, 32768) == 5 and splits(64, 32768) == 1
+    assert splits(1, 512) == 2  # each split reads at least MIN_TILES_PER_SPLIT tiles
+    assert triton_decode.num_splits(programs=8, key_tiles=1000, sm_count=0) == triton_decode.CPU_SPLITS
+    assert triton_decode.num_splits(programs=1, key_tiles=1, sm_count=0) == 1
+
+
+# ---- argument errors ----------------------------------------------------------------------
+def _args(paged=False, **overrides):
+    q = jnp.zeros((2, 1, 4, D), F32)
+    cache = jnp.zeros((5, 16, 2, D), F32) if paged else jnp.zeros((2, 64, 2, D), F32)
+    args = dict(q=q, k_cache=cache, v_cache=cache, kv_lengths=jnp.array([3, 4], jnp.int32))
+    if paged:
+        args["page_table"] = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    return {**args, **overrides}
+
+
+FP8_PAGES = jnp.zeros((5, 16, 2, D), FP8)
+BAD = [
+    pytest.param(dict(q=jnp.zeros((2, 4, D), F32)), "q must have rank 4", id="q-rank"),
+    pytest.param(dict(k_cache=jnp.zeros((2, 64, 2, 16), F32), v_cache=jnp.zeros((2, 64, 2, 16), F32)), "same head_dim", id="head-dim"),
+    pytest.param(dict(v_cache=jnp.zeros((2, 32, 2, D), F32)), "k_cache and v_cache must have the same shape", id="kv-shape"),
+    pytest.param(dict(k_cache=jnp.zeros((2, 64, 3, D), F32), v_cache=jnp.zeros((2, 64, 3, D), F32)), "multiple of the caches' kv_heads", id="heads"),
+    pytest.param(dict(k_cache=jnp.zeros((3, 64, 2, D), F32), v_cache=jnp.zeros((3, 64, 2, D), F32)), "pass page_table", id="batch"),
+    pytest.param(dict(k_cache=jnp.zeros((2, 64, 2, D), BF16), v_cache=jnp.zeros((2, 64, 2, D), BF16)), "q's dtype", id="dtype"),
+    pytest.param(dict(q=jnp.zeros((2, 1, 4, D), jnp.int32)), "unsupported dtype", id="q-int"),
+    pytest.param(dict(kv_lengths=None), "kv_lengths is required", id="no-lengths"),
+    pytest.param(dict(kv_lengths=jnp.array([3], jnp.int32)), r"kv_lengths must have shape \(2,\)", id="lengths-shape"),
+    pytest.param(dict(kv_lengths=jnp.array([3.0, 4.0])), "kv_lengths must be integers", id="lengths-float"),
+    pytest.param(dict(kv_lengths=jnp.array([3, 65], jnp.int32)), r"in \[0, 64\].*sequence 1 has 65", id="lengths-long"),
+    pytest.param(dict(kv_lengths=jnp.array([-1, 4], jnp.int32)), r"sequence 0 has -1", id="lengths-negative"),
+    pytest.param(dict(window=(3,)), "window must be a pair", id="window"),
+    pytest.param(dict(softcap=-1.0), "softcap must be", id="softcap"),
+    pytest.param(dict(num_splits=0), "num_splits must be", id="splits"),
+    pytest.param(dict(causal="yes"), "causal must be a bool", id="causal"),
+    pytest.param(dict(k_scale=jnp.ones(2)), "k_scale is for a float8_e4m3fn cache", id="scale-not-fp8"),
+]
+BAD_PAGED = [
+    pytest.param(dict(page_table=jnp.array([0, 1], jnp.int32)), "page_table must have shape", id="table-rank"),
+    pytest.param(dict(page_table=jnp.zeros((3, 2), jnp.int32)), r"page_table must have shape \(batch=2", id="table-batch"),
+    pytest.param(dict(page_table=jnp.zeros((2, 2), F32)), "page_table must be integers", id="table-float"),
+    pytest.param(dict(kv_lengths=jnp.array([3, 33], jnp.int32)), r"in \[0, 32\] \(the cache's pages_per_seq \* page_size\)", id="lengths-paged"),
+    pytest.param(dict(page_table=jnp.array([[0, 1], [5, 3]], jnp.int32)), r"page_table\[1, 0\] = 5 is not a page", id="table-range"),
+    pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES), "needs k_scale", id="fp8-no-scale"),
+    pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES, k_scale=jnp.ones(3), v_scale=jnp.ones(2)), r"k_scale must have shape \(2,\) or \(5, 2\)", id="fp8-scale-shape"),
+    pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES, k_scale=jnp.ones(2), v_scale=jnp.ones((5, 2))), "must both be per kv head or both per page", id="fp8-scale-mix"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_bad_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        flashjax.decode_attention(**_args(**overrides))
+
+
+@pytest.mark.parametrize("overrides,message", BAD_PAGED)
+def test_bad_paged_arguments(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        flashjax.decode_attention(**_args(paged=True, **overrides))
+
+
+def test_unused_page_table_entries_are_not_checked(rng):
+    """Entries past a sequence's last page may hold anything (e.g. -1): they are never read."""
+    args = _args(paged=True, page_table=jnp.array([[0, -1], [2, 3]], jnp.int32), kv_lengths=jnp.array([16, 20], jnp.int32))
+    assert flashjax.decode_attention(**args).shape == (2, 1, 4, D)
