@@ -58,12 +58,13 @@ def tile_keep(base, rows, cols, threshold: int):
     return (bits >> 8) >= jnp.uint32(threshold)
 
 
-def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False):
+def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False,
+              rows=None):
     """The full keep mask [B, H, Tq, Tk] (or [1, 1, Tq, Tk] with `broadcast`) for the
-    uint32 [2] `seed_words`: reference use only."""
+    uint32 [2] `seed_words`, or only the query rows at positions `rows`: XLA use only."""
     nb, nh = (1, 1) if broadcast else (batch, heads)
     batch_head = jnp.arange(nb * nh, dtype=jnp.uint32).reshape(nb, nh, 1, 1)
     base = stream_base(seed[0], seed[1], batch_head)
-    rows = jnp.arange(seq_q, dtype=jnp.int32)[:, None]
+    rows = jnp.arange(seq_q, dtype=jnp.int32)[:, None] if rows is None else rows.astype(jnp.int32)[:, None]
     cols = jnp.arange(seq_k, dtype=jnp.int32)[None, :]
     return tile_keep(base, rows, cols, keep_threshold(rate))

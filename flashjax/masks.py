@@ -193,8 +193,10 @@ def dynamic_ranges(
     kv_segment_ids=None,
     dense_mask: bool = False,
     by_key_block: bool = False,
+    blocks=None,
 ):
-    """Tile ranges implied by lengths and segment ids, as int32 [B, n_blocks, RANGE_FIELDS].
+    """Tile ranges implied by lengths, segment ids and a block mask, as int32 [B, n_blocks, RANGE_FIELDS]
+    (or [B, H, n_blocks, RANGE_FIELDS] when the block mask differs per head).
 
     For each query tile (or, with `by_key_block`, each key tile) gives the range
     [lo, hi) of tiles of the other operand that can hold a visible pair, and
@@ -207,7 +209,9 @@ def dynamic_ranges(
     Also carries each row's q and kv lengths (fields Q_LENGTH, KV_LENGTH) for the
     kernels' elementwise masks.
     Segment ids must already be padded to `padded_q` / `padded_k` (by repeating the
-    last id, which keeps the extents tight).
+    last id, which keeps the extents tight). `blocks`, a pair (meets, full) of bool
+    [B or 1, H or 1, nq, nk] at this tiling (`flex.tile_flags`), narrows the ranges to the
+    tiles a mask_mod leaves non-empty, and the unmasked part to those it leaves full.
     """
     nq, nk = padded_q // block_q, padded_k // block_k
     q_len = jnp.full((batch,), seq_q, jnp.int32) if q_lengths is None else jnp.minimum(q_lengths.astype(jnp.int32), seq_q)
@@ -231,8 +235,15 @@ def dynamic_ranges(
     same = same & (k_tile[:, None, :] < k_full_tiles[:, None, None])
     if dense_mask:
         same = jnp.zeros_like(same)
+    if blocks is not None:
+        block_meets, block_full = blocks
+        if block_meets.shape[1] == 1:  # one mask for every head: ranges stay [B, n, ...]
+            block_meets, block_full = block_meets[:, 0], block_full[:, 0]
+        else:
+            meets, same = meets[:, None], same[:, None]
+        meets, same = meets & block_meets, same & block_full
     if by_key_block:
-        meets, same = jnp.swapaxes(meets, 1, 2), jnp.swapaxes(same, 1, 2)
+        meets, same = jnp.swapaxes(meets, -2, -1), jnp.swapaxes(same, -2, -1)
     n_other = meets.shape[-1]
     lo, hi = _hull(meets, n_other)
     full_lo, full_hi = _hull(same & meets, n_other)
@@ -242,10 +253,10 @@ def dynamic_ranges(
     empty = hi <= lo
     lo = jnp.where(empty, 0, lo)
     hi = jnp.where(empty, 0, hi)
-    n_blocks = lo.shape[-1]
-    lengths = jnp.broadcast_to(jnp.stack([q_len, kv_len], -1)[:, None, :], (batch, n_blocks, 2))
+    lengths = jnp.stack([q_len, kv_len], -1).reshape((batch,) + (1,) * (lo.ndim - 1) + (2,))
+    lengths = jnp.broadcast_to(lengths, lo.shape + (2,))
     fields = [lo, full_lo, full_hi, hi]
-    padding = jnp.zeros((batch, n_blocks, RANGE_FIELDS - KV_LENGTH - 1), jnp.int32)
+    padding = jnp.zeros(lo.shape + (RANGE_FIELDS - KV_LENGTH - 1,), jnp.int32)
     return jnp.concatenate([jnp.stack(fields, -1).astype(jnp.int32), lengths, padding], -1)
 
 
@@ -257,8 +268,19 @@ def restrict(block_range: BlockRange, lo, hi) -> BlockRange:
     )
 
 
+class RangeRow:
+    """Row `index` of a ranges ref with a leading axis (a group's heads), read one field at a
+    time: Triton lowers `ref[g, field]`, not a view `ref.at[g]` indexed again."""
+
+    def __init__(self, ref, index):
+        self.ref, self.index = ref, index
+
+    def __getitem__(self, field):
+        return self.ref[self.index, field]
+
+
 def intersect(structural: BlockRange, ranges_ref) -> BlockRange:
-    """Intersects a structural range with a row of `dynamic_ranges` (a ref of RANGE_FIELDS)."""
+    """Intersects a structural range with a row of `dynamic_ranges` (a ref of RANGE_FIELDS, or a `RangeRow`)."""
     lo, full_lo, full_hi, hi = structural
     return _ordered(
         jnp.maximum(lo, ranges_ref[LO]),

@@ -1,0 +1,475 @@
+"""User score and mask functions (FlexAttention for JAX): tracing, evaluation and block sparsity.
+
+`flash_attention(score_mod=..., mask_mod=...)` takes plain Python functions of scalars,
+as PyTorch's FlexAttention does::
+
+  score_mod(score, batch, head, q_idx, kv_idx) -> score   # score = scale * q.k, float32
+  mask_mod(batch, head, q_idx, kv_idx) -> bool            # True = attend
+
+`trace` traces a function once at scalar shapes into a `Mod`. Every array it closes over
+(a bias table, per-document ids, per-head slopes) is hoisted out of the trace and travels
+as an operand (`Extras.score_consts` / `mask_consts`): the kernels read it through a ref,
+and the custom VJP returns its gradient. The `Mod` is the static part of a call: the same
+function with closed-over arrays of the same shapes and dtypes reuses the compiled
+kernels, whatever values the arrays hold.
+
+The one scalar program is evaluated in two ways:
+
+* in XLA (the reference, the block-mask builder, the gradient of closed-over arrays):
+  `elementwise(mod.bind(consts), ...)`, vmapped over index grids;
+* in the kernels: `Mod.tile(refs, ...)`, vmapped over the tile, reading each closed-over
+  array one element per score through its ref (`table[h, bucket]` becomes a pointer load:
+  Triton has no gather on values).
+
+`BlockMask` records, for one tiling, which tile pairs a mask_mod leaves empty (never
+loaded), full (mask_mod not evaluated) or partial; the Triton glue re-tiles it to each
+kernel's tiles (`tile_flags`) and folds it into the per-tile ranges of
+`masks.dynamic_ranges`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+__all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
+
+SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
+# Codes of `BlockMask.blocks`.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+# The block-mask builder evaluates mask_mod on about this many (query, key) pairs per step.
+_STEP_PAIRS = 1 << 21
+
+
+# ---- tracing ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mod:
+    """A user score_mod or mask_mod traced at scalar shapes, its closed-over arrays hoisted out.
+
+    Equal (and hashing alike) when it is the same function object with closed-over arrays
+    of the same shapes and dtypes: a jit static. The values of those arrays are operands.
+
+    Attributes:
+      fn: the user's function.
+      name: "score_mod" or "mask_mod".
+      const_avals: ((shape, dtype), ...) of the closed-over arrays, in trace order.
+      jaxpr: the scalar program; its constvars are the closed-over arrays, its invars the
+        scalar arguments (score, batch, head, q_idx, kv_idx; no score for a mask_mod).
+      uses_batch, uses_head: whether the result depends on the batch / head index (a block
+        mask is broadcast along the axes it does not use).
+    """
+
+    fn: Callable
+    name: str
+    const_avals: tuple
+    jaxpr: Any
+    uses_batch: bool
+    uses_head: bool
+
+    def _key(self):
+        return (self.fn, self.name, self.const_avals)
+
+    def __eq__(self, other):
+        return isinstance(other, Mod) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def bind(self, consts) -> Callable:
+        """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
+        return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
+
+    def tile(self, refs, *args, grad: bool = False):
+        """Evaluates the function on a tile inside a kernel.
+
+        Args:
+          refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
+          args: (score,) batch, head, q_idx, kv_idx; broadcastable arrays or scalars.
+          grad: also return d score_mod / d score at each element (score_mod only).
+
+        Returns:
+          The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes).
+        """
+        consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
+        if grad:
+            jaxpr, own = self._value_and_slope
+            return elementwise(lambda *a: tuple(_evaluate(jaxpr, own, (*consts, *a))), *args)
+        return elementwise(lambda *a: _evaluate(self.jaxpr, consts, a)[0], *args)
+
+    @functools.cached_property
+    def _value_and_slope(self):
+        """A scalar program (consts, score, batch, head, q_idx, kv_idx) -> (score_mod, d score_mod / d score),
+        the derivative traced in with jax.jvp (the kernels' backward uses it in place of 1)."""
+        assert self.name == SCORE_MOD
+        n = len(self.const_avals)
+
+        def value_and_slope(*consts_and_args):
+            consts, (score, *index) = consts_and_args[:n], consts_and_args[n:]
+            value = lambda s: _evaluate(self.jaxpr, consts, (s, *index))[0]
+            return jax.jvp(value, (score,), (jnp.ones_like(score),))
+
+        avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
+        closed = jax.make_jaxpr(value_and_slope)(*avals, *_scalar_args(SCORE_MOD))
+        return closed.jaxpr, tuple(closed.consts)
+
+
+def _scalar_args(name: str):
+    index = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
+    return ([jax.ShapeDtypeStruct((), jnp.float32)] if name == SCORE_MOD else []) + index
+
+
+def trace(fn, name: str) -> tuple[Mod, tuple]:
+    """Traces a user score_mod or mask_mod at scalar shapes.
+
+    Returns:
+      (the `Mod`, the tuple of arrays it closes over: concrete arrays and tracers of an
+      enclosing transformation alike, in the order of `Mod.const_avals`).
+
+    Raises:
+      ValueError: `fn` is not a hashable callable, or does not return one scalar (a bool for
+        a mask_mod, a float for a score_mod).
+    """
+    what = "score_mod(score, batch, head, q_idx, kv_idx)" if name == SCORE_MOD else "mask_mod(batch, head, q_idx, kv_idx)"
+    if not callable(fn):
+        raise ValueError(f"{name} must be a function {what}, got {type(fn).__name__}.")
+    try:
+        hash(fn)
+    except TypeError as e:
+        raise ValueError(f"{name} must be hashable (it is a static argument of the compiled kernels): {e}") from None
+
+    def checked(*args):
+        out = jnp.asarray(fn(*args))
+        if out.shape != ():
+            raise ValueError(
+                f"{name} must return one scalar: it is called with scalar int32 indices (and a float32 "
+                f"score), as FlexAttention's vmap does, and returned shape {out.shape}."
+            )
+        if name == MASK_MOD:
+            if out.dtype != jnp.bool_:
+                raise ValueError(f"mask_mod must return a bool (True = attend), got {out.dtype}.")
+            return out
+        if not jnp.issubdtype(out.dtype, jnp.floating):
+            raise ValueError(f"score_mod must return a float score, got {out.dtype}.")
+        return out.astype(jnp.float32)
+
+    closed = jax.make_jaxpr(checked)(*_scalar_args(name))
+    consts = tuple(jnp.asarray(c) for c in closed.consts)
+    used = _used_inputs(closed.jaxpr)
+    first_index = 1 if name == SCORE_MOD else 0
+    mod = Mod(
+        fn=fn, name=name, const_avals=tuple((tuple(c.shape), np.dtype(c.dtype)) for c in consts),
+        jaxpr=closed.jaxpr, uses_batch=used[first_index], uses_head=used[first_index + 1],
+    )
+    return mod, consts
+
+
+def _used_inputs(jaxpr) -> list[bool]:
+    """Which invars of a jaxpr its outputs depend on (a backward walk over the equations)."""
+    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars) or eqn.effects:
+            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+    return [v in live for v in jaxpr.invars]
+
+
+def kernel_operands(consts) -> tuple:
+    """The closed-over arrays as kernel inputs: booleans as int8 (Triton loads no i1), scalars as [1]."""
+    out = []
+    for c in consts:
+        c = c.astype(jnp.int8) if c.dtype == jnp.bool_ else c
+        out.append(c.reshape(1) if c.ndim == 0 else c)
+    return tuple(out)
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+def elementwise(fn, *args):
+    """`fn` (a function of scalars) at every element of the broadcast of `args`.
+
+    Arguments of shape () stay scalars (unbatched); the others are broadcast to the common
+    shape and vmapped over, one vmap per axis (no reshapes: what a Triton kernel can lower).
+    """
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+    args = [a if jnp.ndim(a) == 0 else jnp.broadcast_to(a, shape) for a in args]
+    in_axes = tuple(None if jnp.ndim(a) == 0 else 0 for a in args)
+    for _ in shape:
+        fn = jax.vmap(fn, in_axes=in_axes)
+    return fn(*args)
+
+
+class _ConstRef(NamedTuple):
+    """A closed-over array inside a kernel: its ref, and its shape and dtype as the user gave it."""
+
+    ref: Any
+    shape: tuple
+    dtype: Any
+
+    def load(self, index=()):
+        value = self.ref[tuple(index)] if self.shape else self.ref[0]
+        return value != 0 if self.dtype == np.bool_ else value
+
+
+def _evaluate(jaxpr, consts, args) -> list:
+    """Evaluates a jaxpr (constvars bound to `consts`, invars to `args`), eagerly or under a trace.
+
+    A `_ConstRef` among the values (inside a kernel) is read, never loaded whole: the reads
+    (`dynamic_slice` and point `gather`s of one element) become loads at the clamped index;
+    a scalar one is loaded where it is used; nested calls are evaluated inline.
+    """
+    env = {}
+
+    def read(x):
+        return x.val if isinstance(x, jex_core.Literal) else env[x]
+
+    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        ins = [read(x) for x in eqn.invars]
+        if any(isinstance(x, _ConstRef) for x in ins):
+            outs = _with_refs(eqn, ins)
+        else:
+            outs = _bind(eqn, ins)
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return [read(x) for x in jaxpr.outvars]
+
+
+def _bind(eqn, ins) -> list:
+    """Applies an equation's primitive to values (as `jax.core.eval_jaxpr` does)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    # JAX versions differ: some return (subfuns, params), others the params alone.
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _with_refs(eqn, ins) -> list:
+    """One equation that takes a closed-over array, inside a kernel."""
+    name = eqn.primitive.name
+    array = ins[0]
+    if name == "dynamic_slice" and isinstance(array, _ConstRef) and not any(isinstance(x, _ConstRef) for x in ins[1:]):
+        if all(size == 1 for size in eqn.params["slice_sizes"]):
+            # dynamic_slice clamps its start into the array: for one element, to [0, dim - 1].
+            index = [lax.clamp(0, jnp.asarray(i, jnp.int32), d - 1) for i, d in zip(ins[1:], array.shape)]
+            return [array.load(index).reshape((1,) * len(array.shape))]
+    if name == "gather" and isinstance(array, _ConstRef) and not isinstance(ins[1], _ConstRef):
+        out = _point_gather(eqn, array, ins[1])
+        if out is not None:
+            return [out]
+    inner = _inner_jaxpr(eqn)
+    if inner is not None:
+        jaxpr, consts = inner
+        return _evaluate(jaxpr, consts, ins)
+    if all(x.shape == () for x in ins if isinstance(x, _ConstRef)):
+        return _bind(eqn, [x.load() if isinstance(x, _ConstRef) else x for x in ins])
+    arrays = ", ".join(f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in ins if isinstance(x, _ConstRef))
+    raise ValueError(
+        f"a score_mod/mask_mod uses the closed-over array {arrays} in `{name}`. Inside the kernels a "
+        "closed-over array can only be read one element per score, every axis indexed at once "
+        "(e.g. table[h, bucket], not table[h][bucket] or table * 2); compute derived arrays "
+        "before the call and close over them."
+    )
+
+
+def _point_gather(eqn, array: _ConstRef, indices):
+    """A gather of single elements (every axis indexed, slices of size 1) as a clamped load."""
+    dnums = eqn.params["dimension_numbers"]
+    if (dnums.offset_dims or dnums.operand_batching_dims
+            or any(size != 1 for size in eqn.params["slice_sizes"])
+            or sorted(dnums.start_index_map) != list(range(len(array.shape)))):
+        return None
+    columns = dict(zip(dnums.start_index_map, range(len(dnums.start_index_map))))
+    raw = [jnp.asarray(indices[..., columns[d]], jnp.int32) for d in range(len(array.shape))]
+    value = array.load([lax.clamp(0, i, d - 1) for i, d in zip(raw, array.shape)])
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < d) for i, d in zip(raw, array.shape)])
+        fill = eqn.params.get("fill_value")
+        if fill is None:
+            dtype = jnp.dtype(value.dtype)
+            fill = (np.nan if jnp.issubdtype(dtype, jnp.inexact) else
+                    True if dtype == jnp.bool_ else np.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.signedinteger)
+                    else np.iinfo(dtype).max)
+        value = jnp.where(inside, value, jnp.asarray(fill, value.dtype))
+    return value
+
+
+def _inner_jaxpr(eqn):
+    """(jaxpr, consts) of a call-like equation (jit, custom_jvp/vjp call, remat) taking the equation's operands."""
+    for param in eqn.params.values():
+        if isinstance(param, jex_core.ClosedJaxpr) and len(param.jaxpr.invars) == len(eqn.invars):
+            return param.jaxpr, tuple(param.consts)
+        if isinstance(param, jex_core.Jaxpr) and len(param.invars) == len(eqn.invars) and not param.constvars:
+            return param, ()
+    return None
+
+
+# ---- block sparsity ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Which tile pairs of a [q_len, kv_len] score matrix a mask_mod leaves empty, full or partial.
+
+    A pytree (its `blocks` are the only leaf), so it can be built once and passed to many
+    calls, under jit or not. Build it with `flashjax.block_mask`.
+
+    Attributes:
+      blocks: int8 [Bm, Hm, ceil(q_len / block_q), ceil(kv_len / block_k)]: 0 empty (no pair
+        attends), 1 partial, 2 full (every pair attends). Bm is 1 when mask_mod ignores the
+        batch index, Hm when it ignores the head.
+      mask_mod: the function it was built from.
+      q_len, kv_len: the sequence lengths it covers.
+      block_q, block_k: its tiles (powers of two).
+    """
+
+    blocks: Any
+    mask_mod: Callable
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+
+
+jax.tree_util.register_dataclass(
+    BlockMask, data_fields=["blocks"], meta_fields=["mask_mod", "q_len", "kv_len", "block_q", "block_k"]
+)
+
+
+def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, block_q: int = 128,
+               block_k: int = 128) -> BlockMask:
+    """Classifies every tile pair of a mask_mod, exactly, without materialising [q_len, kv_len].
+
+    mask_mod is evaluated on every (query, key) pair once, tile row by tile row (a few
+    million pairs per step), and each tile pair is recorded as empty (never loaded by the
+    kernels), full (mask_mod is not evaluated there) or partial. Axes mask_mod does not
+    read (batch, head) are not evaluated and broadcast.
+
+    The result can be reused by every call with the same mask_mod and lengths (across layers,
+    under jit). The Triton kernels re-tile it to their own tiles, exactly: a kernel tile
+    covering several blocks is empty (full) when all of them are, one inside a block inherits
+    its class. The default 128 x 128 matches the Triton tiles at head dims 64 and 128; a
+    finer block mask skips more of an irregular mask but costs more to build.
+
+    Args:
+      mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` on int32 scalars (True = attend).
+      batch, heads: the call's batch size and number of query heads.
+      q_len, kv_len: the call's sequence lengths.
+      block_q, block_k: tile sizes, powers of two >= 16.
+
+    Returns:
+      A `BlockMask`.
+    """
+    for arg, value in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"block_mask: {arg} must be an int >= 1, got {value!r}.")
+    for arg, value in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(value, (int, np.integer)) or value < 16 or value & (value - 1):
+            raise ValueError(f"block_mask: {arg} must be a power of two >= 16, got {value!r}.")
+    mod, consts = trace(mask_mod, MASK_MOD)
+    return build_block_mask(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
+
+
+def build_block_mask(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
+                     block_k: int) -> BlockMask:
+    """`block_mask` for a traced mask_mod and its closed-over arrays."""
+    fn = mod.bind(consts)
+    n_batch = batch if mod.uses_batch else 1
+    n_heads = heads if mod.uses_head else 1
+    n_q, n_k = -(-q_len // block_q), -(-kv_len // block_k)
+    # Each step classifies `chunk` key tiles of one query tile row.
+    chunk = max(1, min(n_k, _STEP_PAIRS // (block_q * block_k)))
+    n_chunks = -(-n_k // chunk)
+
+    def classify(item):
+        b, rest = jnp.divmod(item, n_heads * n_q * n_chunks)
+        h, rest = jnp.divmod(rest, n_q * n_chunks)
+        qi, c = jnp.divmod(rest, n_chunks)
+        rows = qi * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+        cols = c * (chunk * block_k) + jnp.arange(chunk * block_k, dtype=jnp.int32)[None, :]
+        valid = (rows < q_len) & (cols < kv_len)
+        attend = elementwise(fn, b, h, rows, cols)
+        nonempty = jnp.any((attend & valid).reshape(block_q, chunk, block_k), axis=(0, 2))
+        full = jnp.all((attend | ~valid).reshape(block_q, chunk, block_k), axis=(0, 2))
+        return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+
+    items = jnp.arange(n_batch * n_heads * n_q * n_chunks, dtype=jnp.int32)
+    codes = lax.map(classify, items, batch_size=max(1, min(len(items), _STEP_PAIRS // (block_q * chunk * block_k))))
+    blocks = codes.reshape(n_batch, n_heads, n_q, n_chunks * chunk)[..., :n_k]
+    return BlockMask(blocks, mod.fn, q_len, kv_len, block_q, block_k)
+
+
+def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):
+    """The block mask at another tiling: (meets, full) bool [Bm, Hm, n_q, n_k].
+
+    Exact for tiles that are powers of two: a tile spanning several blocks meets the mask
+    if any of them does and is full if all of them are; a tile inside a block inherits its
+    class. Tiles past the mask's lengths (padding) meet nothing.
+    """
+    meets, full = mask.blocks != EMPTY, mask.blocks == FULL
+    for axis, have, want, n in ((2, mask.block_q, block_q, n_q), (3, mask.block_k, block_k, n_k)):
+        meets, full = _retile(meets, full, axis, have, want, n)
+    return meets, full
+
+
+def _retile(meets, full, axis: int, have: int, want: int, n: int):
+    if want > have:
+        factor = want // have
+        pad = -meets.shape[axis] % factor
+        widths = [(0, 0)] * meets.ndim
+        widths[axis] = (0, pad)
+        # Blocks past the end are neutral: they meet nothing, and do not spoil "full".
+        meets = jnp.pad(meets, widths, constant_values=False)
+        full = jnp.pad(full, widths, constant_values=True)
+        split = meets.shape[:axis] + (meets.shape[axis] // factor, factor) + meets.shape[axis + 1:]
+        meets = jnp.any(meets.reshape(split), axis=axis + 1)
+        full = jnp.all(full.reshape(split), axis=axis + 1)
+    elif want < have:
+        meets = jnp.repeat(meets, have // want, axis=axis)
+        full = jnp.repeat(full, have // want, axis=axis)
+    size = meets.shape[axis]
+    if size >= n:
+        index = [slice(None)] * meets.ndim
+        index[axis] = slice(0, n)
+        return meets[tuple(index)], full[tuple(index)]
+    widths = [(0, 0)] * meets.ndim
+    widths[axis] = (0, n - size)
+    return jnp.pad(meets, widths), jnp.pad(full, widths)
+
+
+def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: int):
+    """A `BlockMask` that fits the call (its lengths, broadcastable batch/head axes, the same mask_mod)."""
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"block_mask must be a flashjax.BlockMask (from flashjax.block_mask), got {type(mask).__name__}.")
+    if (mask.q_len, mask.kv_len) != (seq_q, seq_k):
+        raise ValueError(
+            f"block_mask was built for q_len={mask.q_len}, kv_len={mask.kv_len}; this call has {seq_q}, {seq_k}."
+        )
+    bm, hm = mask.blocks.shape[:2]
+    if bm not in (1, batch) or hm not in (1, heads):
+        raise ValueError(f"block_mask has batch/heads ({bm}, {hm}); this call has ({batch}, {heads}).")
+    if mask_mod is not None and mask_mod is not mask.mask_mod:
+        raise ValueError(
+            "block_mask was built from another mask_mod than the one given: pass mask_mod=None "
+            "(the block mask's own is used) or the same function."
+        )
+    return mask
+
+
+def float_consts(consts) -> tuple | None:
+    """The floating closed-over arrays (the differentiable ones), in order."""
+    if consts is None:
+        return None
+    return tuple(c for c in consts if jnp.issubdtype(c.dtype, jnp.floating))
+
+
+def merge_float_consts(consts, floats, others="keep"):
+    """`consts` with its floating entries replaced by `floats`; the others kept (or set to `others`)."""
+    if consts is None:
+        return None
+    floats = iter(floats)
+    return tuple(next(floats) if jnp.issubdtype(c.dtype, jnp.floating) else (c if others == "keep" else others)
+                 for c in consts)
