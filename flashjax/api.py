@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flashjax import autodiff, backends, checks, dropout
+from flashjax import autodiff, backends, checks, dropout, flex
 from flashjax.params import AttentionParams, Call, Extras
 
 __all__ = ["flash_attention", "explain"]
@@ -28,6 +28,10 @@ def flash_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    sinks=None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
     broadcast_dropout: bool = False,
@@ -41,21 +45,24 @@ def flash_attention(
     Computes, per batch row and query head ``h``::
 
       logits = scale * q[h] @ k[g]^T                      # g = h // (heads // kv_heads)
+      logits = score_mod(logits, b, h, i, j)              # if score_mod (float32, per element)
       logits = softcap * tanh(logits / softcap)           # if softcap
       logits = logits + bias - alibi_slope[h] * |i' - j|  # if bias / alibi_slopes
-      logits = -inf where the pair is masked               # causal, window, segments, lengths, mask
-      out = softmax(logits) @ v[g]                         # with dropout on softmax(logits)
+      logits = -inf where the pair is masked               # causal, window, segments, lengths, mask, mask_mod
+      out = softmax([logits, sink[h]])[:-1] @ v[g]         # the sink only with sinks; dropout on the weights
 
     with FlashAttention kernels on a GPU. Query ``i`` sits at key position
     ``i' = i + kv_len - q_len`` (bottom-right alignment); ``i'`` uses the array lengths,
-    not ``q_lengths``/``kv_lengths``. Differentiable in ``q``, ``k``, ``v`` and ``bias``
-    (and through the logsumexp with ``return_lse=True``); works under ``jit``, ``grad``,
-    ``vmap`` and ``jax.checkpoint``.
+    not ``q_lengths``/``kv_lengths``; ``score_mod`` and ``mask_mod`` see the plain
+    positions ``i`` and ``j`` in the call's arrays. Differentiable in ``q``, ``k``, ``v``,
+    ``bias``, ``sinks`` and the float arrays ``score_mod`` closes over (and through the
+    logsumexp with ``return_lse=True``); works under ``jit``, ``grad``, ``vmap`` and
+    ``jax.checkpoint``.
 
     A row whose keys are all masked (by any option, including a bias of ``-inf`` or of
     ``finfo.min``, Flax's masking idiom: bias values at or below -1.7e38 mask their key)
-    outputs 0, with lse ``-inf`` and zero gradients, never NaN. (``jax.nn`` and Flax
-    return the mean of the values for such rows.)
+    outputs 0, with lse ``-inf`` (the sink's logit with ``sinks``) and zero gradients,
+    never NaN. (``jax.nn`` and Flax return the mean of the values for such rows.)
 
     Example::
 
@@ -67,7 +74,9 @@ def flash_attention(
       k: keys [batch, kv_len, kv_heads, head_dim]; ``kv_heads`` divides ``heads``
         and query head ``h`` uses kv head ``h // (heads // kv_heads)`` (grouped-query
         and multi-query attention, without copying K/V).
-      v: values, same shape as ``k``.
+      v: values [batch, kv_len, kv_heads, v_head_dim]: the shape of ``k`` except that the
+        head dim may differ (MLA: 192 for q and k, 128 for v); the output has v's head dim.
+        Triton and xla backends.
       causal: query ``i`` attends keys ``j <= i'``. With ``q_len != kv_len`` the mask
         is aligned to the bottom right, as in FlashAttention-2: the last query sees
         every key, so a decode step against a KV cache sees the whole cache.
@@ -91,6 +100,25 @@ def flash_attention(
         (Gemma-2 style), applied to ``scale * q @ k^T`` before bias and ALiBi.
       alibi_slopes: float ``[heads]``: ALiBi, adds ``-slope * |i' - j|`` to the logits,
         computed in the kernel (no bias array). Not differentiated.
+      score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score``, written with
+        ``jnp`` on scalars (int32 indices; ``score = scale * q.k`` in float32), as
+        PyTorch's FlexAttention: applied to every score before the softcap, bias and
+        ALiBi, inside the kernels, and differentiated there (its derivative in the score
+        is traced in). Arrays it closes over (a bias table, per-head slopes) are inputs of
+        the kernels, read one element per score (``table[h, bucket]``); the gradient of
+        the float ones is returned (on the Triton backend: an XLA pass over query chunks
+        that recomputes the scores, about two matrix products per score). The function
+        is a static argument: define it once, not per step, to reuse the compiled kernels.
+        See docs/flex.md.
+      mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (True = attend), combined
+        with the other masks. Tiles it leaves empty are skipped: see ``block_mask``.
+      block_mask: a `flashjax.BlockMask` from `flashjax.block_mask` (the tile pairs that
+        ``mask_mod`` leaves empty, full or partial), to reuse across calls and layers;
+        without one the call builds it (one evaluation of ``mask_mod`` per score pair). It
+        carries its ``mask_mod``, so ``mask_mod`` may be omitted.
+      sinks: float ``[heads]``: attention sinks (gpt-oss), a learned logit per head that
+        joins the softmax denominator of every row and contributes no value;
+        differentiable. Rows past ``q_lengths`` are padding and get no sink.
       dropout_rate, dropout_rng: dropout on the attention probabilities, drawn in the
         kernel from a counter-based hash of (seed, batch, head, row, column), so the
         backward regenerates the same mask and nothing N x N is stored. The rate is a
@@ -118,7 +146,7 @@ def flash_attention(
         picks the backend's tuned default.
 
     Returns:
-      The attention output ``[batch, q_len, heads, head_dim]`` in ``q``'s dtype,
+      The attention output ``[batch, q_len, heads, v_head_dim]`` in ``q``'s dtype,
       and with ``return_lse=True`` a pair ``(output, lse)``.
 
     Raises:
@@ -129,8 +157,9 @@ def flash_attention(
     """
     call, extras, params = _prepare(
         q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids, q_lengths=q_lengths,
-        kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, float32_residual=float32_residual,
+        kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+        mask_mod=mask_mod, block_mask=block_mask, sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout, float32_residual=float32_residual,
     )
     choice = backends.choose(call, backend, config)
     params = AttentionParams(
@@ -166,6 +195,8 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
 
 
 def _is_array_like(value) -> bool:
+    if isinstance(value, flex.BlockMask):
+        return True
     if isinstance(value, (tuple, list)):
         return bool(value) and all(_is_array_like(v) for v in value)
     return hasattr(value, "shape") and hasattr(value, "dtype")
@@ -177,10 +208,11 @@ def _attention(q, k, v, extras, params):
 
 
 def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment_ids=None, q_lengths=None,
-             kv_lengths=None, window=None, softcap=None, alibi_slopes=None, dropout_rate=0.0, dropout_rng=None,
-             broadcast_dropout=False, float32_residual=False):
+             kv_lengths=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None,
+             block_mask=None, sinks=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
+             float32_residual=False):
     """Checks the arguments; returns (Call, Extras, AttentionParams fields without the backends)."""
-    checks.check_qkv(q, k, v)
+    checks.check_qkv(q, k, v, v_head_dim=True)
     batch, seq_q, heads, head_dim = q.shape
     seq_k = k.shape[1]
     for name, flag in (("causal", causal), ("broadcast_dropout", broadcast_dropout), ("float32_residual", float32_residual)):
@@ -192,6 +224,13 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
     dropout_rate = checks.check_dropout(dropout_rate, dropout_rng)
     shape = (batch, heads, seq_q, seq_k)
     q_segments, kv_segments = checks.check_segment_ids(segment_ids, batch, seq_q, seq_k)
+    if score_mod is not None and jnp.issubdtype(q.dtype, jnp.complexfloating):
+        raise ValueError(f"score_mod takes real scores; got {q.dtype} inputs.")
+    score, score_consts = flex.trace(score_mod, flex.SCORE_MOD) if score_mod is not None else (None, None)
+    if block_mask is not None:
+        block_mask = flex.check_block_mask(block_mask, mask_mod, batch, heads, seq_q, seq_k)
+        mask_mod = block_mask.mask_mod
+    masked, mask_consts = flex.trace(mask_mod, flex.MASK_MOD) if mask_mod is not None else (None, None)
     extras = Extras(
         bias=checks.check_pair_array("bias", bias, shape, floating=True),
         mask=checks.check_pair_array("mask", mask, shape, floating=False),
@@ -201,20 +240,29 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         kv_lengths=checks.check_lengths("kv_lengths", kv_lengths, batch),
         alibi_slopes=checks.check_slopes(alibi_slopes, heads),
         dropout_seed=dropout.seed_words(dropout_rng) if dropout_rate > 0.0 else None,
+        sinks=checks.check_sinks(sinks, heads),
+        score_consts=score_consts,
+        mask_consts=mask_consts,
+        block_mask=block_mask,
     )
     given = {
         "bias": extras.bias, "mask": extras.mask, "segment_ids": extras.q_segment_ids,
         "q_lengths": extras.q_lengths, "kv_lengths": extras.kv_lengths, "alibi_slopes": extras.alibi_slopes,
+        "sinks": extras.sinks,
     }
+    mods = {"score_mod": score, "mask_mod": masked, "block_mask": block_mask}
     platform, capability = backends.describe_device()
     call = Call(
         batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=k.shape[2], head_dim=head_dim,
         dtype=jnp.dtype(q.dtype), causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,
         float32_residual=bool(float32_residual), arrays=frozenset(name for name, value in given.items() if value is not None),
+        mods=frozenset(name for name, value in mods.items() if value is not None),
+        v_head_dim=v.shape[3] if v.shape[3] != head_dim else None,
         platform=platform, compute_capability=capability,
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,
-        broadcast_dropout=bool(broadcast_dropout), float32_residual=bool(float32_residual), interpret=platform != "gpu",
+        broadcast_dropout=bool(broadcast_dropout), float32_residual=bool(float32_residual), score_mod=score,
+        mask_mod=masked, interpret=platform != "gpu",
     )
     return call, extras, params

@@ -3,7 +3,8 @@
 The forward saves (q, k, v, o, lse) and the optional inputs; the backward hands
 them to the backward backend's kernels, which recompute the attention
 probabilities tile by tile. Both outputs, o and lse, are differentiable (ring
-attention merges partial results through their lse), and so is the bias.
+attention merges partial results through their lse), and so are the bias, the sinks
+and the float arrays a score_mod closes over.
 
 A backend whose forward is plain JAX (`Backend.differentiable`, the reference) is
 differentiated by JAX instead, when it also runs the backward.
@@ -53,11 +54,15 @@ def _attention_bwd(params: AttentionParams, residuals, cotangents):
     q, k, v, extras, o, lse = residuals
     do, dlse = cotangents
     backward = backends.get(params.backward_backend).backward
-    dq, dk, dv, dbias = backward(q, k, v, o, lse, do, dlse, extras, params, params.backward_config)
-    if dbias is not None:
-        dbias = dbias.astype(extras.bias.dtype)
-    # Only the bias is differentiable among the extras; None marks zero cotangents.
-    return dq, dk, dv, Extras(bias=dbias)
+    dq, dk, dv, dextras = backward(q, k, v, o, lse, do, dlse, extras, params, params.backward_config)
+    # The differentiable extras: the bias, the sinks and the float arrays score_mod closes
+    # over; None marks zero cotangents (and those of every other input).
+    cast = lambda g, x: None if g is None else g.astype(x.dtype)
+    consts = None
+    if dextras.score_consts is not None:
+        consts = tuple(cast(g, x) for g, x in zip(dextras.score_consts, extras.score_consts))
+    return dq, dk, dv, Extras(bias=cast(dextras.bias, extras.bias), sinks=cast(dextras.sinks, extras.sinks),
+                              score_consts=consts)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -65,8 +65,10 @@ class Backend:
         could run the call (too slow there); a backend named by the caller ignores it.
       default_config: ``default_config(call)``: its tuned config for the call.
       forward: ``forward(q, k, v, extras, params, config) -> (o, lse)``.
-      backward: ``backward(q, k, v, o, lse, do, dlse, extras, params, config) -> (dq, dk, dv, dbias)``,
-        given the forward's o and lse (or, in ring attention, a merge of several calls').
+      backward: ``backward(q, k, v, o, lse, do, dlse, extras, params, config) -> (dq, dk, dv, dextras)``,
+        given the forward's o and lse (or, in ring attention, a merge of several calls');
+        ``dextras`` is an `Extras` of the gradients of the bias, the sinks and the arrays
+        score_mod closes over (None where zero or absent).
       differentiable: its forward is plain JAX, differentiated by JAX when it runs a
         whole call (exact float32 gradients, no recomputation from a rounded o).
       decode: its decode path (`Decoder`), or None when it has none.

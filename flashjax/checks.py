@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 __all__ = [
     "check_qkv", "check_scale", "check_window", "check_static_number", "check_dropout",
-    "check_segment_ids", "check_lengths", "check_slopes", "check_pair_array", "mesh_axis_names", "check_mesh_axes",
+    "check_segment_ids", "check_lengths", "check_slopes", "check_sinks", "check_pair_array", "mesh_axis_names", "check_mesh_axes",
     "check_cache", "check_cache_scale", "check_cache_contents", "check_num_splits",
 ]
 
@@ -26,8 +26,10 @@ def _shape_str(q, k, v) -> str:
     return f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
 
 
-def check_qkv(q, k, v):
-    """q [B, Tq, H, D], k and v [B, Tk, Hkv, D], one floating (or complex) dtype, Hkv divides H."""
+def check_qkv(q, k, v, *, v_head_dim: bool = False):
+    """q [B, Tq, H, D], k and v [B, Tk, Hkv, D], one floating (or complex) dtype, Hkv divides H.
+
+    With `v_head_dim`, v may have its own head dim ([B, Tk, Hkv, Dv]: MLA)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
@@ -36,7 +38,11 @@ def check_qkv(q, k, v):
                 f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {tuple(x.shape)} "
                 f"({_shape_str(q, k, v)}). Use jax.vmap for extra batch dimensions."
             )
-    if k.shape != v.shape:
+    if v_head_dim and k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same shape except the head_dim ([batch, kv_len, kv_heads]), got {_shape_str(q, k, v)}."
+        )
+    if not v_head_dim and k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {_shape_str(q, k, v)}.")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {_shape_str(q, k, v)}.")
@@ -50,8 +56,8 @@ def check_qkv(q, k, v):
             f"the number of query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}); "
             f"got {_shape_str(q, k, v)}."
         )
-    if q.shape[3] < 1:
-        raise ValueError(f"head_dim must be >= 1, got {q.shape[3]} ({_shape_str(q, k, v)}).")
+    if min(q.shape[3], v.shape[3]) < 1:
+        raise ValueError(f"head_dim must be >= 1, got {_shape_str(q, k, v)}.")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
         raise ValueError(f"q, k and v must share one dtype, got q:{q.dtype}, k:{k.dtype}, v:{v.dtype}.")
@@ -169,15 +175,28 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
 
 
+def _check_vector(name: str, x, size: int, axis: str, kind, what: str):
+    """x of shape (size,) [axis] whose dtype is a `kind` (jnp.integer, jnp.floating), described as `what`."""
+    if not hasattr(x, "shape") or tuple(x.shape) != (size,):
+        raise ValueError(f"{name} must have shape ({size},) [{axis}], got {getattr(x, 'shape', type(x).__name__)}.")
+    if not jnp.issubdtype(x.dtype, kind):
+        raise ValueError(f"{name} must be {what}, got dtype {x.dtype}.")
+
+
 def check_lengths(name: str, lengths, batch: int):
     """int32 [batch] (or None)."""
     if lengths is None:
         return None
-    if not hasattr(lengths, "shape") or tuple(lengths.shape) != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},) [batch], got {getattr(lengths, 'shape', type(lengths).__name__)}.")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers, got dtype {lengths.dtype}.")
+    _check_vector(name, lengths, batch, "batch", jnp.integer, "integers")
     return lengths.astype(jnp.int32)
+
+
+def check_sinks(sinks, heads: int):
+    """float [heads] (or None); differentiable."""
+    if sinks is None:
+        return None
+    _check_vector("sinks", sinks, heads, "heads", jnp.floating, "a floating array (a logit per head)")
+    return sinks
 
 
 def check_slopes(slopes, heads: int):

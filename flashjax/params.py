@@ -26,6 +26,13 @@ class Extras(NamedTuple):
       alibi_slopes: float32 [H]; adds -slope * |i + Tk - Tq - j| to the logits.
       dropout_seed: uint32 [2], from the dropout rng.
       q_lengths, kv_lengths: int32 [B]; positions at or past them are padding.
+      sinks: float [H]; a learned logit per head that joins every row's softmax denominator
+        (attention sinks); differentiable.
+      score_consts, mask_consts: tuples of the arrays the call's score_mod / mask_mod close
+        over, hoisted out as operands (`flex.Mod`); the float ones of score_consts are
+        differentiable.
+      block_mask: a `flex.BlockMask` (which tile pairs mask_mod empties or fills); the
+        Triton glue folds it into `ranges`.
     """
 
     ranges: Array = None
@@ -37,6 +44,10 @@ class Extras(NamedTuple):
     dropout_seed: Array = None
     q_lengths: Array = None
     kv_lengths: Array = None
+    sinks: Array = None
+    score_consts: Any = None
+    mask_consts: Any = None
+    block_mask: Any = None
 
 
 # Bias values at or below this mask their key, as -inf does. Flax masks with a bias of
@@ -54,7 +65,9 @@ def bias_logits(bias):
 
 
 # The names of the optional arrays a call may use, as `Call.arrays` lists them.
-ARRAY_OPTIONS = ("bias", "mask", "segment_ids", "q_lengths", "kv_lengths", "alibi_slopes")
+ARRAY_OPTIONS = ("bias", "mask", "segment_ids", "q_lengths", "kv_lengths", "alibi_slopes", "sinks")
+# The user functions and their block mask, as `Call.options` names them.
+MOD_OPTIONS = ("score_mod", "mask_mod", "block_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +76,11 @@ class Call:
 
     Attributes:
       batch, seq_q, seq_k, heads, kv_heads, head_dim: the problem's shape.
+      v_head_dim: the values' head dim when it differs from q's and k's (MLA), else None.
       dtype: of q, k, v.
       causal, window, softcap, dropout_rate, float32_residual: the static options.
       arrays: names of the optional arrays given (a subset of ARRAY_OPTIONS).
+      mods: names of the user functions given (a subset of MOD_OPTIONS).
       platform: JAX's default backend ("gpu", "cpu", ...).
       compute_capability: of the first GPU ("9.0" on Hopper), "" elsewhere.
     """
@@ -83,6 +98,8 @@ class Call:
     dropout_rate: float = 0.0
     float32_residual: bool = False
     arrays: frozenset[str] = frozenset()
+    mods: frozenset[str] = frozenset()
+    v_head_dim: int | None = None
     platform: str = "cpu"
     compute_capability: str = ""
 
@@ -94,6 +111,7 @@ class Call:
     def options(self) -> list[str]:
         """The names of every option the call uses besides causal, in a fixed order."""
         used = [name for name in ARRAY_OPTIONS if name in self.arrays]
+        used += [name for name in MOD_OPTIONS if name in self.mods]
         if self.window is not None:
             used.append("window")
         if self.softcap is not None:
@@ -117,6 +135,8 @@ class AttentionParams:
       dropout_rate: probability of dropping an attention weight.
       broadcast_dropout: one dropout mask for all batch rows and heads (Flax's default).
       float32_residual: the forward returns o in float32, kept for the backward's delta.
+      score_mod, mask_mod: the user functions as traced `flex.Mod`s (equal when they are the
+        same function with closed-over arrays of the same shapes), or None.
       backend: the registered backend that runs the forward, and `config` its config.
       backward_backend: the one that runs the backward, and `backward_config` its config.
       interpret: run the Pallas kernels in interpret mode (CPU).
@@ -129,6 +149,8 @@ class AttentionParams:
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
     float32_residual: bool = False
+    score_mod: Any = None
+    mask_mod: Any = None
     backend: str = "triton"
     config: Any = None
     backward_backend: str = "triton"

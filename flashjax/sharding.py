@@ -35,6 +35,8 @@ __all__ = ["sharded_flash_attention"]
 # Keyword arguments of `flash_attention` that are arrays, by how they are sharded.
 _BATCH_ARRAYS = ("q_lengths", "kv_lengths")
 _PAIR_ARRAYS = ("bias", "mask")  # broadcastable to [batch, heads, q_len, kv_len]
+# Options of `flash_attention` not split per shard yet.
+_NOT_SHARDED = ("score_mod", "mask_mod", "block_mask", "sinks")
 
 
 def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=None, **kwargs):
@@ -64,6 +66,8 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         not broadcast over; ``alibi_slopes`` follows ``head_axis``. Dropout draws an
         independent mask per shard (the key is folded with the shard index), so
         its bits differ from an unsharded call unless ``broadcast_dropout=True``.
+        ``score_mod``, ``mask_mod``, ``block_mask`` and ``sinks`` are refused (not
+        sharded yet).
 
     Returns:
       The output [batch, q_len, heads, head_dim] sharded as
@@ -75,6 +79,13 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         does not divide, or q/k/v arrive sharded along the sequence or head_dim
         (use `flashjax.ring.ring_attention` for the sequence).
     """
+    unsharded = [name for name in _NOT_SHARDED if kwargs.get(name) is not None]
+    if unsharded:
+        raise ValueError(
+            f"sharded_flash_attention does not take {', '.join(unsharded)} yet: per shard, a score_mod or "
+            "mask_mod would see shard-local batch and head indices, and the sinks and block masks would "
+            "need their own specs. Call flash_attention under your own jax.shard_map instead."
+        )
     _check(q, k, v, mesh, batch_axis, head_axis)
     spec = P(batch_axis, None, head_axis, None)
     lse_spec = P(batch_axis, head_axis, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flashjax import backends, reference
+from flashjax import backends, flex, reference
 from flashjax.params import AttentionParams, DecodeParams, Extras, KVCache
 
 
@@ -27,6 +27,9 @@ def _attend(q, k, v, extras: Extras, params: AttentionParams):
         window=params.window, softcap=params.softcap, alibi_slopes=extras.alibi_slopes,
         dropout_rate=params.dropout_rate, dropout_seed=extras.dropout_seed,
         broadcast_dropout=params.broadcast_dropout, return_lse=True,
+        score_mod=None if params.score_mod is None else params.score_mod.bind(extras.score_consts),
+        mask_mod=None if params.mask_mod is None else params.mask_mod.bind(extras.mask_consts),
+        sinks=extras.sinks,
     )
 
 
@@ -38,7 +41,8 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config=None):
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config=None):
-    """(dq, dk, dv, dbias) of this call's share of an attention whose output is (o, lse).
+    """(dq, dk, dv, Extras of the bias's, sinks' and score_mod arrays' gradients) of this call's
+    share of an attention whose output is (o, lse).
 
     (o, lse) may merge this call with others over disjoint keys (ring attention):
     o = sum_s w_s o_s with w_s = exp(lse_s - lse). This call's (o_s, lse_s) is
@@ -48,17 +52,22 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     """
     del config
 
-    def own(q, k, v, bias):
-        return _attend(q, k, v, extras._replace(bias=bias), params)
+    floats = flex.float_consts(extras.score_consts)
 
-    (o_own, lse_own), pullback = jax.vjp(own, q, k, v, extras.bias)
+    def own(q, k, v, bias, sinks, floats):
+        consts = flex.merge_float_consts(extras.score_consts, floats)
+        return _attend(q, k, v, extras._replace(bias=bias, sinks=sinks, score_consts=consts), params)
+
+    (o_own, lse_own), pullback = jax.vjp(own, q, k, v, extras.bias, extras.sinks, floats)
     # Rows this call gives no weight (lse_s = -inf) get none of the cotangent.
     weight = jnp.where(lse_own == -jnp.inf, 0.0, jnp.exp(lse_own - jnp.where(lse == -jnp.inf, 0.0, lse)))
     do = do.astype(o_own.dtype)
     rows = jnp.einsum("bqhd,bqhd->bhq", do, o_own - o.astype(o_own.dtype))
     do_own = do * jnp.transpose(weight, (0, 2, 1))[..., None]
-    dq, dk, dv, dbias = pullback((do_own, weight * (dlse + rows)))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+    dq, dk, dv, dbias, dsinks, dfloats = pullback((do_own, weight * (dlse + rows)))
+    dconsts = flex.merge_float_consts(extras.score_consts, dfloats, others=None)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            Extras(bias=dbias, sinks=dsinks, score_consts=dconsts))
 
 
 def _dense(x, scale, page_table, dtype):

@@ -39,6 +39,8 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (use bfloat16 or float16)")
     if call.head_dim > HEAD_DIMS[-1]:
         reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
+    if call.v_head_dim is not None:
+        reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options()]
     return reasons
 
@@ -76,7 +78,7 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, None) given the forward's o and lse and the cotangents of both."""
+    """Returns (dq, dk, dv, Extras()) given the forward's o and lse and the cotangents of both."""
     del extras
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
@@ -109,7 +111,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
         dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
         dq = dq[:, :seq_q, :, :head_dim]
-    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], None
+    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras()
 
 
 BACKEND = backends.Backend(

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
-from flashjax import backends, masks
+from flashjax import backends, dropout, flex, masks, reference
 from flashjax.kernels import common
 from flashjax.kernels.triton import bwd as triton_bwd, decode as triton_decode, fwd as triton_fwd
 from flashjax.kernels.triton.config import MAX_HEAD_DIM, TritonConfig
@@ -25,14 +27,17 @@ from flashjax.params import AttentionParams, Call, Extras
 # them up to this many score entries (B * H * Tq * Tk) and the reference beyond.
 INTERPRET_LIMIT = 1 << 22
 DTYPES = ("bfloat16", "float16", "float32")
+# The gradient of the arrays a score_mod closes over is computed in XLA over chunks of
+# query rows holding about this many scores.
+CHUNK_SCORES = 1 << 22
 
 
 def supports(call: Call) -> list[str]:
     reasons = []
     if jnp.dtype(call.dtype).name not in DTYPES:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
-    if call.head_dim > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {call.head_dim} > {MAX_HEAD_DIM}")
+    if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {max(call.head_dim, call.v_head_dim or 0)} > {MAX_HEAD_DIM}")
     return reasons
 
 
@@ -46,24 +51,29 @@ def declines(call: Call) -> list[str]:
 
 
 def default_config(call: Call) -> TritonConfig:
-    return TritonConfig.default(call.head_dim, call.dtype)
+    return TritonConfig.default(max(call.head_dim, call.v_head_dim or 0), call.dtype)
 
 
 class _Layout(NamedTuple):
     config: TritonConfig
     q_len: int  # padded lengths
     k_len: int
-    head_dim: int  # padded head dim
+    head_dim: int  # padded head dims: of q and k, and of v
+    v_head_dim: int
 
 
-def _layout(q, k, extras: Extras, config: TritonConfig) -> _Layout:
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    padded_dim = max(16, 1 << (head_dim - 1).bit_length())
+def _padded_dim(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _layout(q, k, v, extras: Extras, config: TritonConfig) -> _Layout:
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    padded_dim, padded_v_dim = _padded_dim(q.shape[3]), _padded_dim(v.shape[3])
     config = config.fit(seq_q, seq_k)
     # The forward and dQ kernels stream K and V tiles (and bias/mask tiles) through
     # shared memory, one set per pipeline stage; keep them within the budget.
     pair_bytes = sum(jnp.dtype(a.dtype).itemsize for a in (extras.bias, extras.mask) if a is not None)
-    kv_bytes = 2 * padded_dim * jnp.dtype(k.dtype).itemsize
+    kv_bytes = (padded_dim + padded_v_dim) * jnp.dtype(k.dtype).itemsize
     config = dataclasses.replace(
         config,
         fwd=config.fwd.fit_shared_memory(kv_bytes, pair_bytes),
@@ -74,6 +84,7 @@ def _layout(q, k, extras: Extras, config: TritonConfig) -> _Layout:
         common.round_up(seq_q, config.q_multiple),
         common.round_up(seq_k, config.k_multiple),
         padded_dim,
+        padded_v_dim,
     )
 
 
@@ -83,6 +94,14 @@ def _pad_q(x, layout: _Layout):
 
 def _pad_k(x, layout: _Layout):
     return common.pad_tokens(x, layout.k_len, layout.head_dim)
+
+
+def _pad_v(x, layout: _Layout):
+    return common.pad_tokens(x, layout.k_len, layout.v_head_dim)
+
+
+def _pad_o(x, layout: _Layout):
+    return common.pad_tokens(x, layout.q_len, layout.v_head_dim)
 
 
 def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0, broadcast: bool = False):
@@ -100,11 +119,26 @@ def _scorer(params: AttentionParams, seq_q: int, seq_k: int) -> Scorer:
     return Scorer(
         spec=params.mask_spec(seq_q, seq_k), scale=params.scale, softcap=params.softcap,
         dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
+        score_mod=params.score_mod, mask_mod=params.mask_mod,
     )
 
 
+def _with_block_mask(extras: Extras, params: AttentionParams, q, k, config: TritonConfig) -> Extras:
+    """With a mask_mod but no block mask, builds one at the finest of the kernels' tiles (each
+    kernel re-tiles it exactly): one evaluation of mask_mod per (query, key) pair."""
+    if params.mask_mod is None or extras.block_mask is not None:
+        return extras
+    kernels = (config.fwd, config.dkv, config.dq)
+    block = flex.build_block_mask(
+        params.mask_mod, extras.mask_consts, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+        min(c.block_q for c in kernels), min(c.block_k for c in kernels),
+    )
+    return extras._replace(block_mask=block)
+
+
 def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: int, *, by_key_block: bool) -> Extras:
-    """Pads the optional inputs to the tiles and folds lengths and segments into per-tile ranges."""
+    """Pads the optional inputs to the tiles and folds lengths, segments and the block mask into
+    per-tile ranges."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     q_seg = kv_seg = None
     if extras.q_segment_ids is not None:
@@ -112,13 +146,16 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
         q_seg = _pad_axis(extras.q_segment_ids.astype(jnp.int32), 1, layout.q_len, mode="edge")
         kv_seg = _pad_axis(extras.kv_segment_ids.astype(jnp.int32), 1, layout.k_len, mode="edge")
     ranges = None
-    if any(a is not None for a in (q_seg, extras.q_lengths, extras.kv_lengths, extras.mask)):
+    blocks = None
+    if extras.block_mask is not None:
+        blocks = flex.tile_flags(extras.block_mask, block_q, block_k, layout.q_len // block_q, layout.k_len // block_k)
+    if any(a is not None for a in (q_seg, extras.q_lengths, extras.kv_lengths, extras.mask, blocks)):
         ranges = masks.dynamic_ranges(
             batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k,
             padded_q=layout.q_len, padded_k=layout.k_len,
             q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths,
             q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-            dense_mask=extras.mask is not None, by_key_block=by_key_block,
+            dense_mask=extras.mask is not None, by_key_block=by_key_block, blocks=blocks,
         )
 
     def pad_pair(a, value):
@@ -136,35 +173,42 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
         bias=pad_pair(extras.bias, 0),
         alibi_slopes=None if extras.alibi_slopes is None else extras.alibi_slopes.astype(jnp.float32),
         dropout_seed=extras.dropout_seed,
+        sinks=None if extras.sinks is None else extras.sinks.astype(jnp.float32),
+        score_consts=None if extras.score_consts is None else flex.kernel_operands(extras.score_consts),
+        mask_consts=None if extras.mask_consts is None else flex.kernel_operands(extras.mask_consts),
     )
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig):
-    """Returns o [B, Tq, H, D] (float32 with `params.float32_residual`, else q's dtype) and the
+    """Returns o [B, Tq, H, Dv] (float32 with `params.float32_residual`, else q's dtype) and the
     natural-log lse [B, H, Tq] (-inf for empty rows)."""
-    seq_q, head_dim = q.shape[1], q.shape[3]
-    layout = _layout(q, k, extras, config)
+    seq_q, v_head_dim = q.shape[1], v.shape[3]
+    layout = _layout(q, k, v, extras, config)
     fwd = layout.config.fwd
+    extras = _with_block_mask(extras, params, q, k, layout.config)
     o, lse2 = triton_fwd.forward(
-        _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout),
+        _pad_q(q, layout), _pad_k(k, layout), _pad_v(v, layout),
         _tile_inputs(extras, q, k, layout, fwd.block_q, fwd.block_k, by_key_block=False),
         scorer=_scorer(params, seq_q, k.shape[1]), config=fwd, interpret=params.interpret,
         out_dtype=jnp.float32 if params.float32_residual else None,
     )
-    return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
+    return o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: TritonConfig):
-    """Returns (dq, dk, dv, dbias) given the forward's o and lse and the cotangents of both.
+    """Returns (dq, dk, dv, dextras) given the forward's o and lse and the cotangents of both.
 
-    dbias is None without a bias; otherwise float32 in the bias's (broadcast) shape.
+    dextras holds dbias (float32 in the bias's broadcast shape), dsinks (float32 [H]) and the
+    gradients of the float arrays score_mod closes over (None for the others), each None
+    when its input is absent.
     """
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    layout = _layout(q, k, extras, config)
+    seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    layout = _layout(q, k, v, extras, config)
     config = layout.config
+    extras = _with_block_mask(extras, params, q, k, config)
     lse2, delta = common.backward_rows(o, do, lse, dlse, layout.q_len)
     padded = (
-        _pad_q(q, layout), _pad_k(k, layout), _pad_k(v, layout), _pad_q(do, layout),
+        _pad_q(q, layout), _pad_k(k, layout), _pad_v(v, layout), _pad_o(do, layout),
     )
     scorer = _scorer(params, seq_q, seq_k)
     x_dq = _tile_inputs(extras, q, k, layout, config.dq.block_q, config.dq.block_k, by_key_block=False)
@@ -177,7 +221,85 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     if extras.bias is not None:
         dbias = triton_bwd.bias_grad(*padded, lse2, delta, x_dq, scorer=scorer, config=config.dq, interpret=params.interpret)
         dbias = dbias[:, :, : extras.bias.shape[2], : extras.bias.shape[3]]
-    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], dbias
+    delta = delta[:, :, :seq_q]
+    dextras = Extras(
+        bias=dbias,
+        sinks=None if extras.sinks is None else sinks_grad(extras.sinks, lse, delta),
+        score_consts=score_consts_grad(q, k, v, do, lse, delta, extras, params),
+    )
+    return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :v_head_dim], dextras
+
+
+def sinks_grad(sinks, lse, delta):
+    """d loss / d sinks [H], float32, from the natural-log lse and delta = rowsum(dO * O) - dlse [B, H, Tq].
+
+    With Z = sum_j exp(s_j) + exp(sink), P_j = exp(s_j) / Z and P_sink = exp(sink - lse):
+    d P_j / d sink = -P_j P_sink and d lse / d sink = P_sink, so a row contributes
+    sum_j dP_j (-P_j P_sink) + dlse P_sink = -P_sink (rowsum(dO * O) - dlse) = -P_sink delta.
+    Padded rows (lse = -inf) contribute nothing.
+    """
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse))
+    return -jnp.sum(weight * delta, axis=(0, 2))
+
+
+def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: AttentionParams):
+    """The gradients of the float arrays score_mod closes over (None for the others), in XLA.
+
+    Over chunks of about CHUNK_SCORES scores (a few query rows, every key), the scores are
+    recomputed (one Q K^T and one dO V^T product, as the backward kernels do),
+    dS = P (dP - delta) from the forward's lse, and dS is pulled back through score_mod
+    with jax.vjp; the chunks' gradients are summed in a loop. Memory: one chunk; compute:
+    about two matrix products per score pair, over every pair (masked ones included).
+    A separate XLA computation, so XLA drops it when those gradients are unused.
+    """
+    consts = extras.score_consts
+    floats = flex.float_consts(consts)
+    if not floats:
+        return None if consts is None else tuple(None for _ in consts)
+    batch, seq_q, heads, _ = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    rows_per = max(1, min(seq_q, CHUNK_SCORES // (batch * heads * seq_k)))
+    n_chunks = -(-seq_q // rows_per)
+    mod, mask_mod = params.score_mod, params.mask_mod
+    bias, mask = extras.bias, extras.mask
+    q_seg = extras.q_segment_ids
+    hp = lax.Precision.HIGHEST
+
+    def chunk(i, total):
+        positions = i * rows_per + jnp.arange(rows_per, dtype=jnp.int32)
+        real = positions < seq_q
+        rows = jnp.minimum(positions, seq_q - 1)  # the chunk past the end repeats a row, weightless
+        take = lambda x, axis: x if x is None or x.shape[axis] == 1 else jnp.take(x, rows, axis=axis)
+        q_c, do_c = take(q, 1), take(do, 1).astype(jnp.float32)
+        lse_c, delta_c = take(lse, 2), take(delta, 2)
+
+        def scores(floats):
+            bound = mod.bind(flex.merge_float_consts(consts, floats))
+            return reference.scores(q_c, k, scale=params.scale, softcap=params.softcap, bias=take(bias, 2),
+                                    alibi_slopes=extras.alibi_slopes, score_mod=bound, rows=rows, seq_q=seq_q)
+
+        s, pullback = jax.vjp(scores, floats)
+        allowed = reference.logits_mask(
+            batch, seq_q, seq_k, causal=params.causal, window=params.window,
+            segment_ids=None if q_seg is None else (take(q_seg, 1), extras.kv_segment_ids),
+            q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, mask=take(mask, 2),
+            mask_mod=None if mask_mod is None else mask_mod.bind(extras.mask_consts), heads=heads, rows=rows,
+        )
+        live = allowed & real[:, None] & (lse_c != -jnp.inf)[..., None]
+        p = jnp.where(live, jnp.exp(s - jnp.where(live, lse_c[..., None], 0.0)), 0.0)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_c.reshape(batch, rows_per, kv_heads, group, -1),
+                        v.astype(jnp.float32), precision=hp).reshape(batch, heads, rows_per, seq_k)
+        if params.dropout_rate > 0.0:
+            keep = dropout.keep_mask(extras.dropout_seed, params.dropout_rate, batch, heads, seq_q, seq_k,
+                                     broadcast=params.broadcast_dropout, rows=rows)
+            dp = jnp.where(keep, dp / (1.0 - params.dropout_rate), 0.0)
+        (grads,) = pullback(p * (dp - delta_c[..., None]))
+        return jax.tree.map(jnp.add, total, grads)
+
+    zeros = tuple(jnp.zeros(c.shape, jnp.float32) for c in floats)
+    grads = lax.fori_loop(0, n_chunks, chunk, zeros)
+    return flex.merge_float_consts(consts, grads, others=None)
 
 
 BACKEND = backends.Backend(

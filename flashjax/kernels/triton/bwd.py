@@ -28,15 +28,16 @@ from jax.experimental.pallas import triton as plgpu
 from flashjax import masks
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
-from flashjax.kernels.triton.fwd import extra_specs
+from flashjax.kernels.triton.fwd import extra_specs, whole_flex_specs
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import Extras
 
 
 def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,
                       transposed=False, bias=None, slope=None, kv_length=None, q_seg=None, kv_seg=None,
-                      dense=None, drop_base=None):
-    """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the logits, tanh of the softcap).
+                      dense=None, drop_base=None, mod=None):
+    """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the logits, what
+    `Scorer.logit_grad` needs to take dS back to the scores).
 
     dS = P * (dP - delta), where dP = dO V^T passes back through dropout's mask and
     scaling. With `transposed` the tile is computed as [block_k, block_q] (S^T = K Q^T,
@@ -51,9 +52,9 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     else:
         qk = scoring.dot(q, k, trans_b=True, precision=precision)
         lse, delta = lse[:, None], delta[:, None]
-    s, t = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
+    s, chain = scorer.logits(qk, rows, cols, bias=bias, slope=slope, mod=mod, grad=True)
     if masked:
-        s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense)
+        s = scorer.mask(s, rows, cols, kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, dense=dense, mod=mod)
     # S and the lse are recomputed in another order than the forward's: with huge
     # logits S can exceed the lse by rounding; P is a probability, so it is capped at 1.
     p = jnp.exp2(jnp.minimum(s - lse, 0.0))
@@ -65,12 +66,12 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     else:
         p_dropped = p
     ds = p * (dp - delta)
-    return p_dropped, ds, t
+    return p_dropped, ds, chain
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_ref, dv_ref, *,
                 scorer: Scorer, block_q: int, padded_seq_k: int, heads: int):
-    block_k, head_dim = k_ref.shape
+    block_k, head_dim, v_head_dim = k_ref.shape[0], k_ref.shape[1], v_ref.shape[1]
     seq_q, group = q_ref.shape[0], q_ref.shape[1]
     num_q_blocks = seq_q // block_q
     spec = scorer.spec
@@ -81,17 +82,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
     v = v_ref[...]
     # Tiles are computed transposed here: [block_k, block_q].
     cols = k_block * block_k + jnp.arange(block_k, dtype=jnp.int32)[:, None]
-    kv_length = x.ranges[masks.KV_LENGTH] if x.ranges is not None else None
+    # Ranges per head (a head-dependent block mask) come as [group, RANGE_FIELDS].
+    per_head = x.ranges is not None and len(x.ranges.shape) == 2
+    kv_length = None
+    if x.ranges is not None:
+        kv_length = x.ranges[0, masks.KV_LENGTH] if per_head else x.ranges[masks.KV_LENGTH]
     kv_seg = x.kv_segment_ids[...] if x.kv_segment_ids is not None else None
 
-    tiles = spec.q_range(k_block, block_q, block_k, num_q_blocks)
-    if x.ranges is not None:
+    structural = spec.q_range(k_block, block_q, block_k, num_q_blocks)
+    tiles = structural
+    if x.ranges is not None and not per_head:
         tiles = masks.intersect(tiles, x.ranges)
 
     def over_head(g, carry):
         head = kv_head * group + g
         slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
         drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
+        mod = scorer.mod_args(x, batch, head)
 
         def step(q_block, carry, masked):
             dk, dv = carry
@@ -100,30 +107,32 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
             q = q_ref[tile, g, :]
             do = do_ref[tile, g, :]
             rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
-            p, ds, t = _tile_grad_logits(
+            p, ds, chain = _tile_grad_logits(
                 scorer, q, k, v, do, lse_ref[g, tile], delta_ref[g, tile], rows, cols,
                 masked=masked, precision=precision, transposed=True,
                 bias=scoring.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
                 slope=slope, kv_length=kv_length,
                 q_seg=x.q_segment_ids[tile] if x.q_segment_ids is not None else None, kv_seg=kv_seg,
                 dense=scoring.pair_tile(x.mask, (g,), tile, None) if x.mask is not None else None,
-                drop_base=drop_base,
+                drop_base=drop_base, mod=mod,
             )
             dv = dv + scoring.dot(p.astype(do.dtype), do, precision=precision)
-            ds = scorer.logit_grad(ds, t)
+            ds = scorer.logit_grad(ds, chain)
             dk = dk + scoring.dot(ds.astype(q.dtype), q, precision=precision)
             return dk, dv
 
         return scoring.visit_tiles(
-            tiles, step, carry,
+            masks.intersect(structural, masks.RangeRow(x.ranges, g)) if per_head else tiles, step, carry,
             *((True, True) if x.ranges is not None else spec.q_boundaries(padded_seq_k)),
         )
 
     zeros = jnp.zeros((block_k, head_dim), jnp.float32)
+    # (one zero tile serves both accumulators when the head dims agree)
+    zeros_v = zeros if v_head_dim == head_dim else jnp.zeros((block_k, v_head_dim), jnp.float32)
     if group == 1:
-        dk, dv = over_head(0, (zeros, zeros))
+        dk, dv = over_head(0, (zeros, zeros_v))
     else:
-        dk, dv = lax.fori_loop(0, group, over_head, (zeros, zeros))
+        dk, dv = lax.fori_loop(0, group, over_head, (zeros, zeros_v))
     # S = scale * q.k, so dK carries the scale once, at the end.
     dk_ref[...] = (dk * scorer.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -138,6 +147,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
     q_block, rows, kv_length, q_seg, slope, drop_base = (
         own.q_block, own.rows, own.kv_length, own.q_seg, own.slope, own.drop_base)
     precision = scoring.dot_precision(q_ref.dtype)
+    mod = scorer.mod_args(x, own.batch, own.head)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
     def step(k_block, dq, masked):
@@ -146,15 +156,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
         k = k_ref[tile, :]
         v = v_ref[tile, :]
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-        _, ds, t = _tile_grad_logits(
+        _, ds, chain = _tile_grad_logits(
             scorer, q, k, v, do, lse, delta, rows, cols, masked=masked, precision=precision,
             bias=scoring.pair_tile(x.bias, (), None, tile) if x.bias is not None else None,
             slope=slope, kv_length=kv_length, q_seg=q_seg,
             kv_seg=x.kv_segment_ids[tile] if x.kv_segment_ids is not None else None,
             dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
-            drop_base=drop_base,
+            drop_base=drop_base, mod=mod,
         )
-        ds = scorer.logit_grad(ds, t)
+        ds = scorer.logit_grad(ds, chain)
         return dq + scoring.dot(ds.astype(k.dtype), k, precision=precision)
 
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
@@ -204,11 +214,11 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, db
             masked=True, precision=precision,
             bias=scoring.pair_tile(x.bias, (b, h), q_tile, k_tile),
             slope=x.alibi_slopes[h] if x.alibi_slopes is not None else None,
-            kv_length=x.ranges[b, qi, masks.KV_LENGTH] if x.ranges is not None else None,
+            kv_length=_kv_length(x.ranges, b, qi),
             q_seg=x.q_segment_ids[b, q_tile] if x.q_segment_ids is not None else None,
             kv_seg=x.kv_segment_ids[b, k_tile] if x.kv_segment_ids is not None else None,
             dense=scoring.pair_tile(x.mask, (b, h), q_tile, k_tile) if x.mask is not None else None,
-            drop_base=scorer.dropout_base(x.dropout_seed, b, h, heads),
+            drop_base=scorer.dropout_base(x.dropout_seed, b, h, heads), mod=scorer.mod_args(x, b, h),
         )
         if bias_q == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)
@@ -219,6 +229,13 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, db
     shape = (1 if bias_q == 1 else block_q, 1 if bias_k == 1 else block_k)
     acc = lax.fori_loop(0, total, body, jnp.zeros(shape, jnp.float32))
     dbias_ref[...] = acc.astype(dbias_ref.dtype)
+
+
+def _kv_length(ranges, b, qi):
+    """The kv length of batch row `b` from whole `dynamic_ranges` (with or without a head axis)."""
+    if ranges is None:
+        return None
+    return ranges[b, 0, qi, masks.KV_LENGTH] if len(ranges.shape) == 4 else ranges[b, qi, masks.KV_LENGTH]
 
 
 def divmod_(a, b: int):
@@ -240,14 +257,20 @@ def _group_extra_specs(x: Extras, *, block_k: int, seq_q: int, group: int) -> Ex
     def whole(a):
         return pl.BlockSpec(a.shape, lambda j, b, g: (0,) * a.ndim)
 
+    def ranges_spec(a):
+        if a.ndim == 4:  # per head: the group's rows
+            return pl.BlockSpec((None, group, None, masks.RANGE_FIELDS), lambda j, b, g: (b, g, j, 0))
+        return pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda j, b, g: (b, j, 0))
+
     return Extras(
-        ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda j, b, g: (b, j, 0)),
+        ranges=None if x.ranges is None else ranges_spec(x.ranges),
         q_segment_ids=None if x.q_segment_ids is None else pl.BlockSpec((None, seq_q), lambda j, b, g: (b, 0)),
         kv_segment_ids=None if x.kv_segment_ids is None else pl.BlockSpec((None, block_k), lambda j, b, g: (b, j)),
         mask=None if x.mask is None else pair_spec(x.mask),
         bias=None if x.bias is None else pair_spec(x.bias),
         alibi_slopes=None if x.alibi_slopes is None else whole(x.alibi_slopes),
         dropout_seed=None if x.dropout_seed is None else whole(x.dropout_seed),
+        **whole_flex_specs(x, whole),
     )
 
 
@@ -260,30 +283,33 @@ def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: S
     """Runs the dK/dV and dQ kernels on tile-aligned inputs.
 
     Args:
-      q, do: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] (lengths multiples of the tiles).
+      q: [B, Tq, H, D], do: [B, Tq, H, Dv]; k: [B, Tk, Hkv, D], v: [B, Tk, Hkv, Dv]
+        (lengths multiples of the tiles).
       lse2: [B, H, Tq] base-2 logsumexp from the forward, with +inf for empty rows
         (so that P = exp2(S - lse2) is 0 there).
       delta: [B, H, Tq] float32, rowsum(dO * O) minus the logsumexp's cotangent.
       x_dkv, x_dq: optional inputs, with ranges by key tile and by query tile.
 
     Returns:
-      dq [B, Tq, H, D], dk and dv [B, Tk, Hkv, D], in the inputs' dtypes.
+      dq [B, Tq, H, D], dk [B, Tk, Hkv, D] and dv [B, Tk, Hkv, Dv], in the inputs' dtypes.
     """
     batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
+    seq_k, kv_heads, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
 
     # ---- dK, dV: grid over key tiles; each program owns all heads of its group.
     bq, bk = dkv_config.block_q, dkv_config.block_k
     group_rows = pl.BlockSpec((None, seq_q, group, head_dim), lambda j, b, g: (b, 0, g, 0))
+    group_do = pl.BlockSpec((None, seq_q, group, v_head_dim), lambda j, b, g: (b, 0, g, 0))
     group_stats = pl.BlockSpec((None, group, seq_q), lambda j, b, g: (b, g, 0))
     k_tile = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, g: (b, j, g, 0))
+    v_tile = pl.BlockSpec((None, bk, None, v_head_dim), lambda j, b, g: (b, j, g, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scorer=scorer, block_q=bq, padded_seq_k=seq_k, heads=heads),
         grid=(seq_k // bk, batch, kv_heads),
-        in_specs=[group_rows, k_tile, k_tile, group_rows, group_stats, group_stats,
+        in_specs=[group_rows, k_tile, v_tile, group_do, group_stats, group_stats,
                   _group_extra_specs(x_dkv, block_k=bk, seq_q=seq_q, group=group)],
-        out_specs=[k_tile, k_tile],
+        out_specs=[k_tile, v_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=dkv_config.num_warps, num_stages=dkv_config.num_stages),
         interpret=interpret,
@@ -294,12 +320,14 @@ def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: S
     bq, bk = dq_config.block_q, dq_config.block_k
     num_q_blocks = seq_q // bq
     q_tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, num_q_blocks - 1 - i, h, 0))
+    do_tile = pl.BlockSpec((None, bq, None, v_head_dim), lambda i, b, h: (b, num_q_blocks - 1 - i, h, 0))
     kv_whole = pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    v_whole = pl.BlockSpec((None, seq_k, None, v_head_dim), lambda i, b, h: (b, 0, h // group, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, num_q_blocks - 1 - i))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scorer=scorer, block_k=bk, heads=heads),
         grid=(num_q_blocks, batch, heads),
-        in_specs=[q_tile, kv_whole, kv_whole, q_tile, stats_tile, stats_tile,
+        in_specs=[q_tile, kv_whole, v_whole, do_tile, stats_tile, stats_tile,
                   extra_specs(x_dq, block_q=bq, seq_k=seq_k, num_q_blocks=num_q_blocks)],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

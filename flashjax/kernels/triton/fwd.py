@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
+from flashjax.kernels.common import LOG2E
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.scoring import Scorer
@@ -23,7 +24,7 @@ from flashjax.params import Extras
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: Scorer, block_k: int, heads: int):
-    block_q, head_dim = q_ref.shape
+    block_q, head_dim = q_ref.shape[0], v_ref.shape[1]  # the output's head dim is v's
     num_k_blocks = k_ref.shape[0] // block_k
     spec = scorer.spec
     # Tiles run in reverse order: under a causal mask the last query tiles do the
@@ -32,6 +33,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
     q_block, rows, kv_length, q_seg, slope, drop_base = (
         own.q_block, own.rows, own.kv_length, own.q_seg, own.slope, own.drop_base)
     precision = scoring.dot_precision(q_ref.dtype)
+    mod = scorer.mod_args(x, own.batch, own.head)
     q = q_ref[...]
 
     def step(k_block, carry, masked):
@@ -43,23 +45,31 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         qk = scoring.dot(q, k, trans_b=True, precision=precision)
         bias = scoring.pair_tile(x.bias, (), None, tile) if x.bias is not None else None
-        s, _ = scorer.logits(qk, rows, cols, bias=bias, slope=slope)
+        s, _ = scorer.logits(qk, rows, cols, bias=bias, slope=slope, mod=mod)
         if masked:
             s = scorer.mask(
                 s, rows, cols, kv_length=kv_length,
                 q_seg=q_seg, kv_seg=x.kv_segment_ids[tile] if x.kv_segment_ids is not None else None,
-                dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None,
+                dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None, mod=mod,
             )
         keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
-        # A -inf bias can empty a row of a tile the structural mask calls full.
-        may_be_empty = masked or x.bias is not None
+        # A -inf bias (or score_mod) can empty a row of a tile the structural mask calls full.
+        may_be_empty = masked or x.bias is not None or scorer.score_mod is not None
         return scoring.online_softmax_step(acc, m, l, s, v, masked=may_be_empty, keep=keep, precision=precision)
 
-    carry = (
-        jnp.zeros((block_q, head_dim), jnp.float32),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
+    if x.sinks is not None:
+        # The sink starts every row as a key of weight exp(sink) and no value: m = sink, l = 1.
+        carry = (
+            jnp.zeros((block_q, head_dim), jnp.float32),
+            jnp.full((block_q,), x.sinks[own.head] * LOG2E, jnp.float32),
+            jnp.ones((block_q,), jnp.float32),
+        )
+    else:
+        carry = (
+            jnp.zeros((block_q, head_dim), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
     if x.ranges is not None:
         tiles = masks.intersect(tiles, x.ranges)
@@ -67,7 +77,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
         tiles, step, carry,
         *((True, True) if x.ranges is not None else spec.kv_boundaries(k_ref.shape[0])),
     )
-    # Rows that met no key (l = 0), and padded query rows, output 0 and report lse = -inf.
+    # Rows that met no key (l = 0; with sinks l >= 1), and padded query rows, output 0 and
+    # report lse = -inf.
     empty = l == 0.0
     if x.ranges is not None:
         empty = empty | (rows[:, 0] >= x.ranges[masks.Q_LENGTH])
@@ -94,14 +105,30 @@ def extra_specs(x: Extras, *, block_q: int, seq_k: int, num_q_blocks: int) -> Ex
     def whole(a):
         return pl.BlockSpec(a.shape, lambda i, b, h: (0,) * a.ndim)
 
+    def ranges_spec(a):
+        if a.ndim == 4:  # per head (a block mask that depends on the head)
+            return pl.BlockSpec((None, None, None, masks.RANGE_FIELDS), lambda i, b, h: (b, h, q_tile(i), 0))
+        return pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda i, b, h: (b, q_tile(i), 0))
+
     return Extras(
-        ranges=None if x.ranges is None else pl.BlockSpec((None, None, masks.RANGE_FIELDS), lambda i, b, h: (b, q_tile(i), 0)),
+        ranges=None if x.ranges is None else ranges_spec(x.ranges),
         q_segment_ids=None if x.q_segment_ids is None else pl.BlockSpec((None, block_q), lambda i, b, h: (b, q_tile(i))),
         kv_segment_ids=None if x.kv_segment_ids is None else pl.BlockSpec((None, seq_k), lambda i, b, h: (b, 0)),
         mask=None if x.mask is None else pair_spec(x.mask),
         bias=None if x.bias is None else pair_spec(x.bias),
         alibi_slopes=None if x.alibi_slopes is None else whole(x.alibi_slopes),
         dropout_seed=None if x.dropout_seed is None else whole(x.dropout_seed),
+        **whole_flex_specs(x, whole),
+    )
+
+
+def whole_flex_specs(x: Extras, whole) -> dict:
+    """Whole-array BlockSpecs of the sinks and of the arrays the user functions close over."""
+    consts = lambda cs: None if cs is None else tuple(whole(c) for c in cs)
+    return dict(
+        sinks=None if x.sinks is None else whole(x.sinks),
+        score_consts=consts(x.score_consts),
+        mask_consts=consts(x.mask_consts),
     )
 
 
@@ -110,15 +137,16 @@ def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpr
 
     Args:
       q: [B, Tq, H, D] with Tq a multiple of config.block_q and D a power of two.
-      k, v: [B, Tk, Hkv, D] with Tk a multiple of config.block_k.
+      k: [B, Tk, Hkv, D] with Tk a multiple of config.block_k; v: [B, Tk, Hkv, Dv] (Dv a power of two).
       x: optional inputs, already padded to the tiles (lengths folded into `ranges`).
       scorer: the static scoring (mask spec in true lengths, scale, softcap, dropout).
       out_dtype: of o (default q's).
 
     Returns:
-      o [B, Tq, H, D] (in `out_dtype`) and lse2 [B, H, Tq] (float32, base 2).
+      o [B, Tq, H, Dv] (in `out_dtype`) and lse2 [B, H, Tq] (float32, base 2).
     """
     batch, seq_q, heads, head_dim = q.shape
+    v_head_dim = v.shape[3]
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     block_q, block_k = config.block_q, config.block_k
@@ -137,15 +165,15 @@ def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpr
         in_specs=[
             pl.BlockSpec((None, block_q, None, head_dim), q_tile),
             pl.BlockSpec((None, seq_k, None, head_dim), kv_whole),
-            pl.BlockSpec((None, seq_k, None, head_dim), kv_whole),
+            pl.BlockSpec((None, seq_k, None, v_head_dim), kv_whole),
             extra_specs(x, block_q=block_q, seq_k=seq_k, num_q_blocks=num_q_blocks),
         ],
         out_specs=[
-            pl.BlockSpec((None, block_q, None, head_dim), q_tile),
+            pl.BlockSpec((None, block_q, None, v_head_dim), q_tile),
             pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_blocks - 1 - i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, out_dtype or q.dtype),
+            jax.ShapeDtypeStruct((batch, seq_q, heads, v_head_dim), out_dtype or q.dtype),
             jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

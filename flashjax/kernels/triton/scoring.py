@@ -47,11 +47,20 @@ def pair_tile(ref, lead, q_index, k_index):
     return ref[index]
 
 
+class ModArgs(NamedTuple):
+    """What a user score_mod / mask_mod reads in a kernel besides the tile's positions."""
+
+    batch: Any
+    head: Any  # the query head
+    score_consts: Any  # refs of the arrays score_mod closes over, or None
+    mask_consts: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class Scorer:
     """Turns a tile of q.k products into base-2 logits, applying every variant.
 
-    The order is: scale, softcap, bias and ALiBi, then the mask (-inf). The
+    The order is: scale, score_mod, softcap, bias and ALiBi, then the mask (-inf). The
     dataclass is static; per-tile arrays come in as arguments.
     """
 
@@ -60,10 +69,28 @@ class Scorer:
     softcap: float | None = None
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
+    score_mod: Any = None  # flex.Mod
+    mask_mod: Any = None
 
-    def logits(self, qk, rows, cols, *, bias=None, slope=None):
-        """Returns (s2, t): base-2 logits and tanh(.) of the softcap (None without one)."""
-        if self.softcap is not None:
+    def mod_args(self, x, batch, head) -> ModArgs | None:
+        """The user functions' arguments of one (batch, head) in a kernel with optional inputs `x`."""
+        if self.score_mod is None and self.mask_mod is None:
+            return None
+        return ModArgs(batch, head, x.score_consts, x.mask_consts)
+
+    def logits(self, qk, rows, cols, *, bias=None, slope=None, mod: ModArgs | None = None, grad: bool = False):
+        """Returns (s2, chain): base-2 logits, and what `logit_grad` needs: tanh(.) of the softcap
+        and, with `grad`, score_mod's derivative in the score (each None when absent)."""
+        mod_slope = None
+        if self.score_mod is not None:
+            args = (qk * self.scale, mod.batch, mod.head, rows, cols)
+            if grad:
+                score, mod_slope = self.score_mod.tile(mod.score_consts, *args, grad=True)
+            else:
+                score = self.score_mod.tile(mod.score_consts, *args)
+            t = None if self.softcap is None else jnp.tanh(score * (1.0 / self.softcap))
+            s = score * LOG2E if t is None else t * (self.softcap * LOG2E)
+        elif self.softcap is not None:
             t = jnp.tanh(qk * (self.scale / self.softcap))
             s = t * (self.softcap * LOG2E)
         else:
@@ -74,9 +101,9 @@ class Scorer:
         if slope is not None:
             distance = jnp.abs(rows + self.spec.offset - cols).astype(jnp.float32)
             s = s - (slope * LOG2E) * distance
-        return s, t
+        return s, (t, mod_slope)
 
-    def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None):
+    def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None, mod: ModArgs | None = None):
         """-inf where the pair does not attend (only called on boundary tiles).
 
         rows and cols broadcast against each other ([bq, 1] x [1, bk], or the
@@ -87,11 +114,21 @@ class Scorer:
             allowed = allowed & (q_seg.reshape(rows.shape) == kv_seg.reshape(cols.shape))
         if dense is not None:
             allowed = allowed & (dense != 0)
+        if self.mask_mod is not None:
+            allowed = allowed & self.mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols)
         return jnp.where(allowed, s, -jnp.inf)
 
-    def logit_grad(self, ds, t):
-        """d(softcap * tanh(x / softcap))/dx = 1 - tanh^2: from d/d logits to d/d (scale * q.k)."""
-        return ds if t is None else ds * (1.0 - t * t)
+    def logit_grad(self, ds, chain):
+        """From d/d logits to d/d (scale * q.k): through the softcap, d(c tanh(x / c))/dx = 1 - tanh^2,
+        and through score_mod, its derivative in the score."""
+        t, mod_slope = chain
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        if mod_slope is not None:
+            # dS is 0 where a pair is masked or weightless; score_mod's derivative there may
+            # be anything (inf at a -inf score), so it must not multiply in.
+            ds = jnp.where(ds == 0.0, 0.0, ds * mod_slope)
+        return ds
 
     # ---- dropout ----------------------------------------------------------------------
     @property
