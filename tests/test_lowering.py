@@ -228,3 +228,65 @@ def test_cache_copy_check_finds_xla_copies():
     assert TRITON_CALL not in text
     copies = cache_copies(text, cache_shape, capacity, "f8E4M3FN")
     assert (cache_shape, "f32") in copies and any(shape[:2] == (2, capacity) for shape, _ in copies)
+
+
+@pytest.fixture
+def on_hopper(monkeypatch, fake_h100):
+    """flash_attention chooses and lowers as on an H100: compiled kernels, not interpret mode."""
+    from flashjax import backends
+
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+
+
+def _kernel_count_and_scores(text, config):
+    fitted = config.fit(SEQ_Q, SEQ_K)
+    q_lens = {SEQ_Q, -(-SEQ_Q // fitted.q_multiple) * fitted.q_multiple}
+    k_lens = {SEQ_K, -(-SEQ_K // fitted.k_multiple) * fitted.k_multiple}
+    return text.count(TRITON_CALL), score_sized(tensor_shapes(text), q_lens, k_lens)
+
+
+def test_mla_head_dims_lower_to_triton_for_sm90(on_hopper):
+    """MLA's 192 (q, k) / 128 (v) head dims: auto picks the Triton kernels (the Hopper ones take
+    one head dim) and they lower for sm_90, forward and backward, with no score-sized tensor."""
+    import flashjax
+
+    dtype = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((1, SEQ_Q, 8, 192), dtype)
+    k = jax.ShapeDtypeStruct((1, SEQ_K, 2, 192), dtype)
+    v = jax.ShapeDtypeStruct((1, SEQ_K, 2, 128), dtype)
+    assert flashjax.explain(q, k, v, causal=True).backend == "triton"
+
+    def loss(q, k, v):
+        o, lse = flashjax.flash_attention(q, k, v, causal=True, return_lse=True)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    text = lower_for_cuda(loss, q, k, v)
+    count, scores = _kernel_count_and_scores(text, TritonConfig.default(192, dtype))
+    assert count == 3 and not scores, (count, scores)
+    assert "tensor<1x1000x8x128xbf16>" in text, "the output has v's head dim"
+
+
+def test_flex_lowers_to_triton_for_sm90(on_hopper):
+    """A learned-table score_mod (read through pointer loads: Triton has no gather), a head-dependent
+    mask_mod (per-head tile ranges) and sinks lower for sm_90: 3 kernels, and outside them (the
+    block mask, the table's gradient over query chunks) no score-sized tensor."""
+    import flashjax
+    from flashjax import mods
+
+    dtype = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((2, SEQ_Q, 4, 64), dtype)
+    kv = jax.ShapeDtypeStruct((2, SEQ_K, 2, 64), dtype)
+    widths = jnp.array([64, 128, 256, 4096], jnp.int32)
+
+    def loss(q, k, v, table, sinks):
+        o, lse = flashjax.flash_attention(
+            q, k, v, score_mod=mods.t5_relative_bias(table), sinks=sinks, return_lse=True,
+            mask_mod=lambda b, h, i, j: (j <= i + SEQ_K - SEQ_Q) & (i + SEQ_K - SEQ_Q - j <= widths[h]),
+        )
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    args = (q, kv, kv, jax.ShapeDtypeStruct((4, 32), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    count, scores = _kernel_count_and_scores(text, TritonConfig.default(64, dtype))
+    assert count == 3 and not scores, (count, scores)

@@ -116,6 +116,7 @@ class Shape(NamedTuple):
     heads: int = 2
     kv_heads: int = 2
     head_dim: int = 16
+    v_head_dim: int | None = None  # v's, when it differs (tests/test_flex.py)
 
 
 def packed_ids(lengths_per_row, total: int):

@@ -1,0 +1,578 @@
+"""score_mod, mask_mod, block masks, attention sinks and MLA head dims, against the reference.
+
+Every kernel case runs the Triton kernels (interpret mode on the CPU) forward and
+backward, with random cotangents for o and lse, and compares o, lse and the gradients of
+q, k, v and of every differentiable array (a score_mod's closed-over table, the sinks,
+the bias) with `flashjax.reference.attention` given the same functions. The mods are
+those of `flashjax.mods`, the ones docs/flex.md shows. Small tiles (three different
+tilings for the three kernels) make a sequence of 70 span several tiles, so that block
+masks skip tiles, fill others and leave boundary tiles to the elementwise mask.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_close, check_lse
+
+from test_variants import SMALL_TILES, Shape
+
+import flashjax
+from flashjax import api, backends, flex, mods, reference
+
+
+def draw(rng, shape: Shape, dtype, q_scale=1.0):
+    def normal(*dims, mult=1.0, dt=dtype):
+        return jnp.asarray((mult * rng.standard_normal(dims)).astype(np.float32)).astype(dt)
+
+    s = shape
+    dv = s.v_head_dim or s.head_dim
+    return dict(
+        q=normal(s.batch, s.seq_q, s.heads, s.head_dim, mult=q_scale),
+        k=normal(s.batch, s.seq_k, s.kv_heads, s.head_dim),
+        v=normal(s.batch, s.seq_k, s.kv_heads, dv),
+        do=normal(s.batch, s.seq_q, s.heads, dv),
+        dlse=normal(s.batch, s.heads, s.seq_q, dt=jnp.float32),
+    )
+
+
+class Result(NamedTuple):
+    o: jax.Array
+    lse: jax.Array
+    grads: dict  # dq, dk, dv and one entry per differentiable array
+
+
+def vjp(attention, x, arrays: dict, options: Callable, dlse):
+    """o, lse and the pullback of (do, dlse) of ``attention(q, k, v, return_lse=True, **options(arrays))``.
+
+    `options` builds the keyword arguments from the differentiable `arrays` (so that the
+    mods close over traced arrays, as in a training step).
+    """
+
+    def fn(q, k, v, arrays):
+        return attention(q, k, v, return_lse=True, **options(arrays))
+
+    (o, lse), pullback = jax.vjp(fn, x["q"], x["k"], x["v"], arrays)
+    dq, dk, dv, darrays = pullback((x["do"].astype(o.dtype), dlse))
+    return Result(o, lse, dict(dq=dq, dk=dk, dv=dv, **darrays))
+
+
+def run_both(x, options, arrays=None, *, config=SMALL_TILES, **kernel_kwargs) -> tuple[Result, Result]:
+    """(kernel, reference) results; the reference in float32 on upcast inputs. The lse
+    cotangent is zeroed on rows whose reference lse is -inf (the lse is constant there)."""
+    arrays = arrays or {}
+    up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
+
+    @jax.jit
+    def reference_run(x, arrays):
+        _, lse = reference.attention(x["q"], x["k"], x["v"], return_lse=True, **options(arrays))
+        dlse = jnp.where(lse == -jnp.inf, 0.0, x["dlse"])
+        return vjp(reference.attention, x, arrays, options, dlse), dlse
+
+    want, dlse = reference_run(up(x), up(arrays))
+
+    @jax.jit
+    def kernel_run(x, arrays, dlse):
+        kernel = lambda *a, **kw: flashjax.flash_attention(*a, backend="triton", config=config, **kernel_kwargs, **kw)
+        return vjp(kernel, x, arrays, options, dlse)
+
+    return kernel_run(x, arrays, dlse), want
+
+
+def assert_matches(got: Result, want: Result, dtype):
+    check_close(got.o, want.o, dtype, "o")
+    check_lse(got.lse, want.lse, dtype)
+    assert got.grads.keys() == want.grads.keys()
+    for name in want.grads:
+        check_close(got.grads[name], want.grads[name], dtype, f"d{name}" if name not in ("dq", "dk", "dv") else name)
+
+
+# ---- the ready mods, alone ---------------------------------------------------------------------
+class Case(NamedTuple):
+    shape: Shape
+    arrays: Callable  # (rng, shape) -> dict of differentiable arrays (may be empty)
+    options: Callable  # (arrays, shape) -> keyword arguments
+    bf16: bool = False
+    q_scale: float = 1.0
+
+
+def _doc_ids(shape, lengths=((30, 25, 15), (7, 50, 13))):
+    ids = [np.repeat(np.arange(len(ls)), ls)[: shape.seq_q] for ls in lengths]
+    return jnp.asarray(np.stack(ids), jnp.int32)
+
+
+def _table(rng, s):
+    return dict(table=jnp.asarray(rng.standard_normal((s.heads, 32)), jnp.float32))
+
+
+CROSS = Shape(seq_q=40, seq_k=70, heads=4)  # GQA: 2 query heads per kv head
+SELF = Shape(heads=4)
+MODS = {
+    # score_mods
+    "alibi-causal-q<k": Case(CROSS, lambda rng, s: {}, lambda a, s: dict(
+        score_mod=mods.alibi(2.0 ** -jnp.arange(1, s.heads + 1, dtype=jnp.float32), offset=s.seq_k - s.seq_q),
+        causal=True)),
+    "t5-table-q<k": Case(CROSS, _table, lambda a, s: dict(score_mod=mods.t5_relative_bias(a["table"], max_distance=40)),
+                         bf16=True),
+    "t5-table-unidirectional-causal": Case(SELF, _table, lambda a, s: dict(
+        score_mod=mods.t5_relative_bias(a["table"], bidirectional=False, max_distance=40), causal=True)),
+    "tanh-softcap": Case(SELF, lambda rng, s: {}, lambda a, s: dict(score_mod=mods.tanh_softcap(2.0)), q_scale=4.0),
+    # mask_mods
+    "prefix-lm": Case(SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.prefix_lm(jnp.array([20, 45])))),
+    "document-window": Case(SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.document_window(_doc_ids(s), 20)),
+                            bf16=True),
+    "chunked": Case(SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.chunked(24))),
+}
+
+
+def _params(cases):
+    out = []
+    for name, case in cases.items():
+        out.append(pytest.param(case, jnp.float32, id=f"{name}-f32"))
+        if case.bf16:
+            out.append(pytest.param(case, jnp.bfloat16, id=f"{name}-bf16"))
+    return out
+
+
+@pytest.mark.parametrize("case, dtype", _params(MODS))
+def test_ready_mods(case, dtype, rng):
+    """Each mod of flashjax.mods (GQA, odd lengths): o, lse and every gradient, a learned table's included."""
+    s = case.shape
+    x = draw(rng, s, dtype, case.q_scale)
+    got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s))
+    assert_matches(got, want, dtype)
+
+
+def test_mods_are_the_builtins(rng):
+    """The reference gives the same attention through a mod and through the built-in option."""
+    s = CROSS
+    x = draw(rng, s, jnp.float32, q_scale=3.0)
+    q, k, v = x["q"], x["k"], x["v"]
+    slopes = 2.0 ** -jnp.arange(1, s.heads + 1, dtype=jnp.float32)
+    pairs = [
+        (dict(score_mod=mods.alibi(slopes, offset=s.seq_k - s.seq_q)), dict(alibi_slopes=slopes)),
+        (dict(score_mod=mods.tanh_softcap(2.0)), dict(softcap=2.0)),
+        (dict(mask_mod=mods.causal(s.seq_k - s.seq_q)), dict(causal=True)),
+    ]
+    ids = _doc_ids(SELF)
+    for mod_kwargs, builtin in pairs:
+        np.testing.assert_allclose(reference.attention(q, k, v, **mod_kwargs), reference.attention(q, k, v, **builtin),
+                                   rtol=1e-5, atol=1e-6)
+    y = draw(rng, SELF, jnp.float32)
+    q, k, v = y["q"], y["k"], y["v"]
+    np.testing.assert_array_equal(
+        reference.attention(q, k, v, mask_mod=mods.document_window(ids, 20)),
+        reference.attention(q, k, v, segment_ids=ids, causal=True, window=(20, 0)),
+    )
+    chunk_ids = jnp.broadcast_to(jnp.arange(SELF.seq_q) // 24, (SELF.batch, SELF.seq_q))
+    np.testing.assert_array_equal(
+        reference.attention(q, k, v, mask_mod=mods.chunked(24)),
+        reference.attention(q, k, v, segment_ids=chunk_ids, causal=True),
+    )
+
+
+def test_t5_buckets_match_t5():
+    """mods.t5_relative_bucket is T5's bucketing (numbers from its definition, written out in NumPy)."""
+    rel = np.arange(-300, 300)
+
+    def t5(rel, bidirectional, num_buckets=32, max_distance=128):
+        out = np.zeros_like(rel)
+        n = -rel
+        if bidirectional:
+            num_buckets //= 2
+            out += (n < 0) * num_buckets
+            n = np.abs(n)
+        else:
+            n = np.maximum(n, 0)
+        max_exact = num_buckets // 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            large = max_exact + (np.log(n / max_exact) / np.log(max_distance / max_exact)
+                                 * (num_buckets - max_exact)).astype(np.int64)
+        large = np.minimum(large, num_buckets - 1)
+        return out + np.where(n < max_exact, n, large)
+
+    for bidirectional in (True, False):
+        got = mods.t5_relative_bucket(jnp.asarray(rel, jnp.int32), bidirectional=bidirectional)
+        np.testing.assert_array_equal(np.asarray(got), t5(rel, bidirectional))
+
+
+# ---- composition with the built-in options ----------------------------------------------------
+def test_composed_with_every_builtin(rng):
+    """score_mod (learned table) + a head-dependent mask_mod + sinks with causal, a window, segment
+    ids, lengths, bias, mask, softcap, ALiBi and dropout: o, lse and the gradients of q, k, v, the
+    table, the sinks and the bias."""
+    s = Shape(heads=4, kv_heads=2, seq_q=50, seq_k=70)
+    x = draw(rng, s, jnp.float32, q_scale=2.0)
+    key = jax.random.key(7)
+    widths = jnp.array([8, 30, 200, 60], jnp.int32)
+    segments = (jnp.asarray(np.repeat([0, 1], [30, 20])[None].repeat(2, 0), jnp.int32),
+                jnp.asarray(np.repeat([0, 1], [45, 25])[None].repeat(2, 0), jnp.int32))
+    arrays = dict(
+        table=jnp.asarray(rng.standard_normal((s.heads, 32)), jnp.float32),
+        sinks=jnp.asarray(rng.standard_normal((s.heads,)), jnp.float32),
+        bias=jnp.asarray(rng.standard_normal((1, s.heads, s.seq_q, s.seq_k)), jnp.float32),
+    )
+
+    def options(a):
+        return dict(
+            score_mod=mods.t5_relative_bias(a["table"], max_distance=40),
+            mask_mod=lambda b, h, i, j: (i + 20 - j) <= widths[h],
+            sinks=a["sinks"], bias=a["bias"], causal=True, window=(40, None), segment_ids=segments,
+            q_lengths=jnp.array([50, 43]), kv_lengths=jnp.array([61, 70]),
+            mask=jax.random.bernoulli(key, 0.9, (s.seq_q, s.seq_k)), softcap=6.0,
+            alibi_slopes=jnp.array([0.1, 0.05, 0.02, 0.01]), dropout_rate=0.1, dropout_rng=jax.random.key(3),
+        )
+
+    got, want = run_both(x, options, arrays)
+    assert_matches(got, want, jnp.float32)
+
+
+# ---- rows without keys ---------------------------------------------------------------------------
+def test_rows_without_keys(rng):
+    """A mask_mod that empties rows (all of batch 1, and the rows a score_mod sets to -inf): o = 0,
+    lse = -inf and zero gradients there, no NaN; with sinks the lse of such a row is its sink's."""
+    s = CROSS
+    x = draw(rng, s, jnp.float32)
+    prefix = jnp.array([30, 0])
+
+    def mask_mod(b, h, i, j):
+        return j < prefix[b]
+
+    def score_mod(score, b, h, i, j):
+        return jnp.where(i % 7 == 3, -jnp.inf, score)
+
+    sinks = jnp.asarray(rng.standard_normal((s.heads,)), jnp.float32)
+    for arrays, options in (
+        ({}, lambda a: dict(mask_mod=mask_mod, score_mod=score_mod, q_lengths=jnp.array([35, 40]))),
+        (dict(sinks=sinks), lambda a: dict(mask_mod=mask_mod, score_mod=score_mod, sinks=a["sinks"],
+                                           q_lengths=jnp.array([35, 40]))),
+    ):
+        got, want = run_both(x, options, arrays)
+        assert_matches(got, want, jnp.float32)
+        rows = np.asarray(want.o).sum(-1) == 0  # [B, Tq, H]
+        empty = np.moveaxis(rows, 1, 2)  # [B, H, Tq]
+        assert empty[1].all() and empty[0, :, 3].all()
+        np.testing.assert_array_equal(np.moveaxis(np.asarray(got.o), 2, 1)[empty], 0.0)
+        np.testing.assert_array_equal(np.moveaxis(np.asarray(got.grads["dq"]), 2, 1)[empty], 0.0)
+        lse = np.asarray(got.lse)
+        padding = np.zeros_like(empty)
+        padding[0, :, 35:] = True
+        np.testing.assert_array_equal(lse[padding], -np.inf)
+        if arrays:  # a real row without keys puts all its weight on the sink: lse = sink
+            np.testing.assert_allclose(lse[empty & ~padding], np.broadcast_to(np.asarray(sinks)[None, :, None], lse.shape)
+                                       [empty & ~padding], rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(lse[empty], -np.inf)
+        for name, g in got.grads.items():
+            assert np.all(np.isfinite(np.asarray(g))), name
+
+
+# ---- attention sinks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_sinks(dtype, rng):
+    """Sinks alone (GQA, causal, q_len > kv_len so that the first rows see no key): o, lse, dq, dk,
+    dv and dsinks, on the tuned tiles and on small ones."""
+    s = Shape(seq_q=70, seq_k=40, heads=4)
+    x = draw(rng, s, dtype)
+    arrays = dict(sinks=jnp.asarray(3.0 * rng.standard_normal((s.heads,)), jnp.float32))
+    for config in (None, SMALL_TILES):
+        got, want = run_both(x, lambda a: dict(sinks=a["sinks"], causal=True), arrays, config=config)
+        assert_matches(got, want, dtype)
+
+
+def test_sinks_gradient_formula(rng):
+    """dsinks = -sum over rows of exp(sink - lse) * (rowsum(dO * O) - dlse), checked against JAX's
+    derivative of the reference (the reference's own gradient is a finite difference away)."""
+    s = Shape(batch=1, seq_q=12, seq_k=12, heads=2, kv_heads=2, head_dim=8)
+    x = draw(rng, s, jnp.float32)
+    sinks = jnp.array([0.5, -1.0])
+    f = lambda sinks: reference.attention(x["q"], x["k"], x["v"], sinks=sinks, causal=True, return_lse=True)
+    (o, lse), pullback = jax.vjp(f, sinks)
+    (want,) = pullback((x["do"], x["dlse"]))
+    from flashjax.kernels.triton.backend import sinks_grad
+
+    delta = jnp.einsum("bqhd,bqhd->bhq", x["do"], o) - x["dlse"]
+    np.testing.assert_allclose(sinks_grad(sinks, lse, delta), want, rtol=1e-5, atol=1e-6)
+    with jax.enable_x64(True):  # central differences of the reference, in float64
+        y = {name: jnp.asarray(np.asarray(a), jnp.float64) for name, a in x.items()}
+        loss = lambda sinks: sum(jnp.sum(out * ct) for out, ct in zip(
+            reference.attention(y["q"], y["k"], y["v"], sinks=sinks, causal=True, return_lse=True), (y["do"], y["dlse"])))
+        sinks64, eps = jnp.asarray([0.5, -1.0], jnp.float64), 1e-5
+        numeric = [(loss(sinks64.at[h].add(eps)) - loss(sinks64.at[h].add(-eps))) / (2 * eps) for h in range(2)]
+    np.testing.assert_allclose(want, np.asarray(numeric), rtol=1e-4, atol=1e-6)
+
+
+# ---- MLA head dims -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["tuned", "small-tiles"])
+def test_mla_head_dims(config, rng):
+    """q, k with head dim 48 and v with 32 (padded to 64 and 32 in the kernels), GQA, causal,
+    Tq != Tk, lengths; with a score_mod on the small tiles."""
+    s = Shape(seq_q=40, seq_k=70, heads=4, head_dim=48, v_head_dim=32)
+    x = draw(rng, s, jnp.float32)
+    options = lambda a: dict(causal=True, kv_lengths=jnp.array([70, 61]))
+    arrays = {}
+    if config is not None:
+        arrays = _table(rng, s)
+        options = lambda a: dict(causal=True, kv_lengths=jnp.array([70, 61]), score_mod=mods.t5_relative_bias(a["table"]))
+    got, want = run_both(x, options, arrays, config=config)
+    assert got.o.shape == (2, 40, 4, 32) and got.grads["dv"].shape == (2, 70, 2, 32)
+    assert_matches(got, want, jnp.float32)
+    xla = flashjax.flash_attention(x["q"], x["k"], x["v"], backend="xla", causal=True)
+    assert xla.shape == (2, 40, 4, 32)
+
+
+# ---- block masks ----------------------------------------------------------------------------------
+def _dense_classes(mask_mod, batch, heads, q_len, kv_len, block_q, block_k):
+    """The classification from the dense mask (what block_mask must give without forming it)."""
+    dense = np.asarray(reference.logits_mask(batch, q_len, kv_len, mask_mod=mask_mod, heads=heads))
+    dense = np.broadcast_to(dense, (batch, heads, q_len, kv_len))
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+    valid = np.zeros((nq * block_q, nk * block_k), bool)
+    valid[:q_len, :kv_len] = True
+    padded = np.zeros((batch, heads, nq * block_q, nk * block_k), bool)
+    padded[..., :q_len, :kv_len] = dense
+    tiles = lambda a: a.reshape(a.shape[:-2] + (nq, block_q, nk, block_k))
+    meets = tiles(padded).any(axis=(-3, -1))
+    full = (tiles(padded) | ~tiles(valid)).all(axis=(-3, -1))
+    return np.where(meets, np.where(full, flex.FULL, flex.PARTIAL), flex.EMPTY)
+
+
+CLASSIFY = [
+    pytest.param(mods.chunked(24), 2, 3, 70, 70, 16, 16, id="chunked"),
+    pytest.param(mods.prefix_lm(jnp.array([20, 64])), 2, 3, 70, 70, 32, 16, id="prefix-per-batch"),
+    pytest.param(mods.document_window(_doc_ids(SELF), 9), 2, 3, 70, 70, 16, 32, id="document-window"),
+    pytest.param(lambda b, h, i, j: (j % (h + 2)) == 0, 2, 3, 45, 100, 16, 16, id="per-head-strided"),
+    pytest.param(lambda b, h, i, j: i + 60 >= j, 1, 1, 17, 77, 128, 128, id="one-block-default"),
+]
+
+
+@pytest.mark.parametrize("mask_mod, batch, heads, q_len, kv_len, block_q, block_k", CLASSIFY)
+def test_block_mask_is_exact(mask_mod, batch, heads, q_len, kv_len, block_q, block_k):
+    """Each tile pair's class equals the dense mask's; batch/head axes a mod ignores are broadcast;
+    re-tiling to coarser tiles is exact and to finer ones conservative."""
+    bm = flashjax.block_mask(mask_mod, batch, heads, q_len, kv_len, block_q=block_q, block_k=block_k)
+    want = _dense_classes(mask_mod, batch, heads, q_len, kv_len, block_q, block_k)
+    blocks = np.asarray(bm.blocks)
+    mod, _ = flex.trace(mask_mod, flex.MASK_MOD)
+    assert blocks.shape[:2] == (batch if mod.uses_batch else 1, heads if mod.uses_head else 1)
+    np.testing.assert_array_equal(np.broadcast_to(blocks, want.shape), want)
+    for factor_q, factor_k in ((2, 4), (1, 2)):
+        bq, bk = block_q * factor_q, block_k * factor_k
+        nq, nk = -(-q_len // bq) + 1, -(-kv_len // bk)  # one tile of padding rows
+        meets, full = flex.tile_flags(bm, bq, bk, nq, nk)
+        coarse = _dense_classes(mask_mod, batch, heads, q_len, kv_len, bq, bk)
+        np.testing.assert_array_equal(np.broadcast_to(meets, (batch, heads, nq, nk))[..., :-1, :], coarse != flex.EMPTY)
+        np.testing.assert_array_equal(np.broadcast_to(full, (batch, heads, nq, nk))[..., :-1, :], coarse == flex.FULL)
+        assert not np.asarray(meets)[..., -1, :].any(), "tiles past the lengths meet nothing"
+    if min(block_q, block_k) >= 32:
+        bq, bk = block_q // 2, block_k // 2
+        nq, nk = -(-q_len // bq), -(-kv_len // bk)
+        meets, full = flex.tile_flags(bm, bq, bk, nq, nk)
+        fine = _dense_classes(mask_mod, batch, heads, q_len, kv_len, bq, bk)
+        assert np.all(np.broadcast_to(meets, fine.shape) >= (fine != flex.EMPTY)), "a tile that attends is skipped"
+        assert np.all(np.broadcast_to(full, fine.shape) <= (fine == flex.FULL)), "a partial tile is called full"
+
+
+@pytest.mark.parametrize("mask_mod", [mods.chunked(64), mods.prefix_lm(jnp.array([40])), mods.document_window(
+    jnp.asarray(np.repeat([0, 1], [20, 80])[None], jnp.int32), 70)], ids=["chunked", "prefix-lm", "document-window"])
+def test_block_mask_ranges_skip_and_fill(mask_mod):
+    """The kernels' per-tile ranges from a block mask (forward by query tile, dK/dV by key tile):
+    tiles outside [lo, hi) are empty in the dense mask (never loaded), tiles in [full_lo, full_hi)
+    are full (mask_mod not evaluated), and [lo, hi) is the hull of the non-empty tiles."""
+    from flashjax import masks
+    from flashjax.kernels.triton import backend as triton_backend
+    from flashjax.params import Extras
+
+    seq = 100
+    bm = flashjax.block_mask(mask_mod, 1, 2, seq, seq, block_q=16, block_k=16)
+    q = jnp.zeros((1, seq, 2, 16), jnp.float32)
+    layout = triton_backend._layout(q, q, q, Extras(), SMALL_TILES)
+    for kernel, by_key in ((SMALL_TILES.fwd, False), (SMALL_TILES.dkv, True)):
+        x = triton_backend._tile_inputs(Extras(block_mask=bm), q, q, layout, kernel.block_q, kernel.block_k,
+                                        by_key_block=by_key)
+        n_q, n_k = layout.q_len // kernel.block_q, layout.k_len // kernel.block_k
+        classes = np.full((n_q, n_k), flex.EMPTY)
+        dense = _dense_classes(mask_mod, 1, 1, seq, seq, kernel.block_q, kernel.block_k)[0, 0]
+        classes[: dense.shape[0], : dense.shape[1]] = dense
+        if by_key:
+            classes = classes.T
+        skipped = full = 0
+        for row, fields in zip(classes, np.asarray(x.ranges)[0]):
+            lo, full_lo, full_hi, hi = fields[[masks.LO, masks.FULL_LO, masks.FULL_HI, masks.HI]]
+            met = np.flatnonzero(row != flex.EMPTY)
+            assert (lo, hi) == ((met[0], met[-1] + 1) if met.size else (0, 0))
+            assert np.all(row[full_lo:full_hi] == flex.FULL)
+            skipped += row.size - (hi - lo)
+            full += full_hi - full_lo
+        assert skipped > 0 and full > 0, "the case was meant to skip tiles and fill others"
+
+
+def test_block_mask_reused_across_calls_and_layers(rng):
+    """A block mask built once (eagerly, or under the same jit) serves several calls: the results
+    equal those of a call that builds its own, its mask_mod is used when none is given, a per-head
+    one (GQA) goes through the per-head ranges, and a pytree of it is a jit argument."""
+    s = SELF
+    x = draw(rng, s, jnp.float32)
+    q, k, v = x["q"], x["k"], x["v"]
+    widths = jnp.array([3, 17, 40, 70], jnp.int32)
+    per_head = lambda b, h, i, j: (j <= i) & (i - j <= widths[h])
+    bm = flashjax.block_mask(per_head, s.batch, s.heads, s.seq_q, s.seq_k, block_q=16, block_k=16)
+    assert bm.blocks.shape == (1, 4, 5, 5)
+    kernel = lambda **kw: flashjax.flash_attention(q, k, v, backend="triton", config=SMALL_TILES, **kw)
+    want = reference.attention(q, k, v, mask_mod=per_head)
+    check_close(kernel(mask_mod=per_head), want, jnp.float32, "own block mask")
+
+    @jax.jit
+    def two_layers(q, k, v, bm):
+        o = flashjax.flash_attention(q, k, v, block_mask=bm, backend="triton", config=SMALL_TILES)
+        return flashjax.flash_attention(o, k, v, block_mask=bm, mask_mod=per_head, backend="triton", config=SMALL_TILES)
+
+    out = two_layers(q, k, v, bm)
+    check_close(out, reference.attention(want, k, v, mask_mod=per_head), jnp.float32, "two layers")
+
+    @jax.jit
+    def built_inside(q, k, v, ids):
+        doc = mods.document_window(ids, 20)
+        bm = flashjax.block_mask(doc, s.batch, s.heads, s.seq_q, s.seq_k, block_q=16, block_k=16)
+        return flashjax.flash_attention(q, k, v, block_mask=bm, backend="triton", config=SMALL_TILES)
+
+    ids = _doc_ids(s)
+    check_close(built_inside(q, k, v, ids), reference.attention(q, k, v, mask_mod=mods.document_window(ids, 20)),
+                jnp.float32, "built under jit")
+
+
+# ---- statics, caching and errors ------------------------------------------------------------------
+def test_closed_over_values_are_operands(rng):
+    """The same score_mod with new values in the arrays it closes over reuses the compiled call
+    (the values are operands) and gives the new result."""
+    s = Shape(batch=1, seq_q=20, seq_k=20, heads=2, kv_heads=2)
+    x = draw(rng, s, jnp.float32)
+    state = {"table": jnp.zeros((2, 32), jnp.float32)}
+
+    def score_mod(score, b, h, i, j):
+        return score + state["table"][h, jnp.clip(i - j + 16, 0, 31)]
+
+    api._attention.clear_cache()
+    first = flashjax.flash_attention(x["q"], x["k"], x["v"], score_mod=score_mod, backend="triton")
+    state["table"] = jnp.asarray(rng.standard_normal((2, 32)), jnp.float32)
+    second = flashjax.flash_attention(x["q"], x["k"], x["v"], score_mod=score_mod, backend="triton")
+    assert api._attention._cache_size() == 1, "new values must not recompile"
+    check_close(first, reference.attention(x["q"], x["k"], x["v"]), jnp.float32, "zero table")
+    check_close(second, reference.attention(x["q"], x["k"], x["v"], score_mod=score_mod), jnp.float32, "new table")
+
+
+class _Unhashable:
+    __hash__ = None
+
+    def __call__(self, b, h, i, j):
+        return i >= j
+
+
+def _q(seq=16):
+    return jnp.zeros((1, seq, 2, 16), jnp.float32)
+
+
+ERRORS = [
+    pytest.param(dict(mask_mod=lambda b, h, i, j: (i >= j).astype(jnp.float32)), "must return a bool", id="mask-float"),
+    pytest.param(dict(score_mod=lambda s, b, h, i, j: jnp.stack([s, s])), "one scalar", id="score-shape"),
+    pytest.param(dict(score_mod=lambda s, b, h, i, j: i), "float score", id="score-int"),
+    pytest.param(dict(mask_mod=_Unhashable()), "hashable", id="unhashable"),
+    pytest.param(dict(score_mod="tanh"), "score_mod must be a function", id="not-callable"),
+    pytest.param(dict(sinks=jnp.zeros((3,))), "sinks", id="sinks-shape"),
+    pytest.param(dict(sinks=jnp.zeros((2,), jnp.int32)), "sinks", id="sinks-int"),
+    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 8, 16, block_q=16, block_k=16)),
+                 "q_len=8", id="block-mask-lengths"),
+    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 16, 16, block_q=16, block_k=16),
+                      mask_mod=mods.causal()), "another mask_mod", id="block-mask-other-mod"),
+    pytest.param(dict(block_mask=jnp.ones((1, 1, 1, 1), jnp.int8)), "BlockMask", id="block-mask-array"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", ERRORS)
+def test_bad_flex_arguments(kwargs, message):
+    q = _q()
+    with pytest.raises(ValueError, match=message):
+        flashjax.flash_attention(q, q, q, **kwargs)
+
+
+def test_block_mask_bad_arguments():
+    with pytest.raises(ValueError, match="block_q"):
+        flashjax.block_mask(mods.causal(), 1, 1, 16, 16, block_q=24)
+    with pytest.raises(ValueError, match="heads"):
+        flashjax.block_mask(mods.causal(), 1, 0, 16, 16)
+
+
+def test_closed_over_array_read_whole_is_refused_in_the_kernels():
+    """Inside the kernels a closed-over array is read one element per score; reading it whole raises
+    and names the array (the reference, being plain JAX, takes it)."""
+    q = _q()
+    table = jnp.ones((2, 5), jnp.float32)
+    score_mod = lambda s, b, h, i, j: s + jnp.sum(table)
+    with pytest.raises(ValueError, match=r"float32\[2, 5\].*table\[h, bucket\]"):
+        flashjax.flash_attention(q, q, q, score_mod=score_mod, backend="triton")
+    out = flashjax.flash_attention(q, q, q, score_mod=score_mod, backend="xla")
+    assert out.shape == q.shape
+
+
+def test_xla_backend_differentiates_closed_over_arrays(rng):
+    s = Shape(batch=1, seq_q=20, seq_k=24, heads=2, kv_heads=1)
+    x = draw(rng, s, jnp.float32)
+    arrays = dict(_table(rng, s), sinks=jnp.array([0.3, -0.2]))
+    options = lambda a: dict(score_mod=mods.t5_relative_bias(a["table"]), sinks=a["sinks"], mask_mod=mods.chunked(8))
+    want = vjp(reference.attention, x, arrays, options, x["dlse"])
+    got = vjp(lambda *a, **kw: flashjax.flash_attention(*a, backend="xla", **kw), x, arrays, options, x["dlse"])
+    for name in want.grads:
+        check_close(got.grads[name], want.grads[name], jnp.float32, name)
+
+
+# ---- backend choice ----------------------------------------------------------------------------------
+FLEX_OPTIONS = [
+    pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), ("score_mod",), id="score_mod"),
+    pytest.param(dict(mask_mod=mods.causal()), ("mask_mod",), id="mask_mod"),
+    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), ("mask_mod", "block_mask"),
+                 id="block_mask"),
+    pytest.param(dict(sinks=jnp.zeros((2,))), ("sinks",), id="sinks"),
+    pytest.param(dict(v_head_dim=32), ("v head_dim",), id="mla-dims"),
+]
+
+
+@pytest.mark.parametrize("options, reasons", FLEX_OPTIONS)
+def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
+    """On an H100 the Hopper kernels decline mods, block masks, sinks and MLA dims: auto runs Triton
+    forward and backward, and explain names the option."""
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    options = dict(options)
+    v = jax.ShapeDtypeStruct((1, 64, 2, options.pop("v_head_dim", 64)), jnp.bfloat16)
+    choice = flashjax.explain(q, q, v, **options)
+    assert (choice.backend, choice.backward_backend) == ("triton", "triton")
+    (name, why), = choice.passed
+    assert name == "mosaic"
+    for reason in reasons:
+        assert any(reason in r for r in why), (reason, why)
+
+
+def test_sharded_attention_refuses_flex_options():
+    """sharded_flash_attention would hand a mod shard-local indices: it refuses rather than mislead."""
+    q = _q()
+    with pytest.raises(ValueError, match="score_mod, sinks"):
+        flashjax.sharded_flash_attention(q, q, q, mesh=None, batch_axis="data", score_mod=mods.tanh_softcap(2.0),
+                                         sinks=jnp.zeros((2,)))
+
+
+def test_docs_show_the_tested_mods():
+    """Every function docs/flex.md shows is the source of the flashjax.mods function the tests use."""
+    import inspect
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "flex.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("def ")]
+    shown = {re.match(r"def (\w+)", b).group(1): b for b in blocks}
+    assert set(shown) == set(mods.__all__) - {"causal"}, sorted(shown)
+    for name, block in shown.items():
+        assert block == inspect.getsource(getattr(mods, name)), f"docs/flex.md shows another {name} than flashjax.mods"
