@@ -107,9 +107,10 @@ def flash_attention(
         is traced in). Arrays it closes over (a bias table, per-head slopes) are inputs of
         the kernels, read one element per score (``table[h, bucket]``); the gradient of
         the float ones is returned (on the Triton backend: an XLA pass over query chunks
-        that recomputes the scores, about two matrix products per score). The function
-        is a static argument: define it once, not per step, to reuse the compiled kernels.
-        See docs/flex.md.
+        that recomputes the scores, about two matrix products per score). The static part
+        of the call is the traced program: a function rebuilt per call that traces alike
+        (the same operations on closed-over arrays of the same shapes) reuses the compiled
+        kernels. See docs/flex.md.
       mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (True = attend), combined
         with the other masks. Tiles it leaves empty are skipped: see ``block_mask``.
       block_mask: a `flashjax.BlockMask` from `flashjax.block_mask` (the tile pairs that

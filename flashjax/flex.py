@@ -9,8 +9,9 @@ as PyTorch's FlexAttention does::
 `trace` traces a function once at scalar shapes into a `Mod`. Every array it closes over
 (a bias table, per-document ids, per-head slopes) is hoisted out of the trace and travels
 as an operand (`Extras.score_consts` / `mask_consts`): the kernels read it through a ref,
-and the custom VJP returns its gradient. The `Mod` is the static part of a call: the same
-function with closed-over arrays of the same shapes and dtypes reuses the compiled
+and the custom VJP returns its gradient. The `Mod` is the static part of a call, and it is
+the traced program, not the function object: functions that trace to the same program (a
+mod rebuilt every step, closing over new arrays of the same shapes) share the compiled
 kernels, whatever values the arrays hold.
 
 The one scalar program is evaluated in two ways:
@@ -53,11 +54,11 @@ _STEP_PAIRS = 1 << 21
 class Mod:
     """A user score_mod or mask_mod traced at scalar shapes, its closed-over arrays hoisted out.
 
-    Equal (and hashing alike) when it is the same function object with closed-over arrays
-    of the same shapes and dtypes: a jit static. The values of those arrays are operands.
+    Equal (and hashing alike) when the traced programs are: the same operations on
+    closed-over arrays of the same shapes and dtypes (a jit static; the arrays' values are
+    operands). Two different function objects that trace alike share compilations.
 
     Attributes:
-      fn: the user's function.
       name: "score_mod" or "mask_mod".
       const_avals: ((shape, dtype), ...) of the closed-over arrays, in trace order.
       jaxpr: the scalar program; its constvars are the closed-over arrays, its invars the
@@ -66,15 +67,15 @@ class Mod:
         mask is broadcast along the axes it does not use).
     """
 
-    fn: Callable
     name: str
     const_avals: tuple
     jaxpr: Any
     uses_batch: bool
     uses_head: bool
+    program: str = ""  # the jaxpr's text: what equality compares
 
     def _key(self):
-        return (self.fn, self.name, self.const_avals)
+        return (self.name, self.const_avals, self.program)
 
     def __eq__(self, other):
         return isinstance(other, Mod) and self._key() == other._key()
@@ -133,16 +134,12 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
       enclosing transformation alike, in the order of `Mod.const_avals`).
 
     Raises:
-      ValueError: `fn` is not a hashable callable, or does not return one scalar (a bool for
-        a mask_mod, a float for a score_mod).
+      ValueError: `fn` is not callable, or does not return one scalar (a bool for a mask_mod,
+        a float for a score_mod).
     """
     what = "score_mod(score, batch, head, q_idx, kv_idx)" if name == SCORE_MOD else "mask_mod(batch, head, q_idx, kv_idx)"
     if not callable(fn):
         raise ValueError(f"{name} must be a function {what}, got {type(fn).__name__}.")
-    try:
-        hash(fn)
-    except TypeError as e:
-        raise ValueError(f"{name} must be hashable (it is a static argument of the compiled kernels): {e}") from None
 
     def checked(*args):
         out = jnp.asarray(fn(*args))
@@ -164,8 +161,9 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
     used = _used_inputs(closed.jaxpr)
     first_index = 1 if name == SCORE_MOD else 0
     mod = Mod(
-        fn=fn, name=name, const_avals=tuple((tuple(c.shape), np.dtype(c.dtype)) for c in consts),
+        name=name, const_avals=tuple((tuple(c.shape), np.dtype(c.dtype)) for c in consts),
         jaxpr=closed.jaxpr, uses_batch=used[first_index], uses_head=used[first_index + 1],
+        program=str(closed.jaxpr),
     )
     return mod, consts
 
@@ -284,8 +282,12 @@ def _point_gather(eqn, array: _ConstRef, indices):
             or any(size != 1 for size in eqn.params["slice_sizes"])
             or sorted(dnums.start_index_map) != list(range(len(array.shape)))):
         return None
-    columns = dict(zip(dnums.start_index_map, range(len(dnums.start_index_map))))
-    raw = [jnp.asarray(indices[..., columns[d]], jnp.int32) for d in range(len(array.shape))]
+    # The index columns by lax.split, not slicing: Triton lowers a split of the last axis
+    # (and jnp builds a 2-D index as a join of two columns), not lax.slice.
+    n = len(dnums.start_index_map)
+    parts = [indices] if n == 1 else lax.split(indices, [1] * n, axis=indices.ndim - 1)
+    columns = [jnp.asarray(lax.squeeze(part, (part.ndim - 1,)), jnp.int32) for part in parts]
+    raw = [columns[dnums.start_index_map.index(d)] for d in range(len(array.shape))]
     value = array.load([lax.clamp(0, i, d - 1) for i, d in zip(raw, array.shape)])
     if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
         inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < d) for i, d in zip(raw, array.shape)])
@@ -370,12 +372,13 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
         if not isinstance(value, (int, np.integer)) or value < 16 or value & (value - 1):
             raise ValueError(f"block_mask: {arg} must be a power of two >= 16, got {value!r}.")
     mod, consts = trace(mask_mod, MASK_MOD)
-    return build_block_mask(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
+    blocks = classify(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
+    return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
-def build_block_mask(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
-                     block_k: int) -> BlockMask:
-    """`block_mask` for a traced mask_mod and its closed-over arrays."""
+def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):
+    """The int8 [Bm, Hm, n_q, n_k] classes of `BlockMask.blocks`, for a traced mask_mod and its
+    closed-over arrays."""
     fn = mod.bind(consts)
     n_batch = batch if mod.uses_batch else 1
     n_heads = heads if mod.uses_head else 1
@@ -398,8 +401,7 @@ def build_block_mask(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_le
 
     items = jnp.arange(n_batch * n_heads * n_q * n_chunks, dtype=jnp.int32)
     codes = lax.map(classify, items, batch_size=max(1, min(len(items), _STEP_PAIRS // (block_q * chunk * block_k))))
-    blocks = codes.reshape(n_batch, n_heads, n_q, n_chunks * chunk)[..., :n_k]
-    return BlockMask(blocks, mod.fn, q_len, kv_len, block_q, block_k)
+    return codes.reshape(n_batch, n_heads, n_q, n_chunks * chunk)[..., :n_k]
 
 
 def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):
@@ -452,10 +454,13 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
     if bm not in (1, batch) or hm not in (1, heads):
         raise ValueError(f"block_mask has batch/heads ({bm}, {hm}); this call has ({batch}, {heads}).")
     if mask_mod is not None and mask_mod is not mask.mask_mod:
-        raise ValueError(
-            "block_mask was built from another mask_mod than the one given: pass mask_mod=None "
-            "(the block mask's own is used) or the same function."
-        )
+        (given, given_consts), (own, own_consts) = trace(mask_mod, MASK_MOD), trace(mask.mask_mod, MASK_MOD)
+        # The same program on the same arrays (a rebuilt mod) is the same mask.
+        if given != own or any(a is not b for a, b in zip(given_consts, own_consts)):
+            raise ValueError(
+                "block_mask was built from another mask_mod than the one given: pass mask_mod=None "
+                "(the block mask's own is used) or the same function."
+            )
     return mask
 
 

@@ -1,9 +1,9 @@
 """Ready score_mod and mask_mod builders for `flash_attention` (docs/flex.md shows each).
 
-Each builder returns a new function; build it once (per model, not per step) and pass
-the same object to every call, so the compiled kernels are reused. The arrays a mod
-closes over (slopes, a bias table, document ids, prefix lengths) are operands of the
-kernels: new values reuse the compilation, and a float table gets its gradient.
+Each builder returns a new function. The arrays a mod closes over (slopes, a bias table,
+document ids, prefix lengths) are operands of the kernels and the compiled call is keyed
+by the traced program, so rebuilding a mod per step with new arrays of the same shapes
+reuses the compilation; a float table gets its gradient.
 
 Positions ``q_idx`` and ``kv_idx`` are the plain indices in the call's arrays; with
 ``q_len != kv_len`` pass ``offset = kv_len - q_len`` to align queries to the bottom

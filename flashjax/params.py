@@ -135,8 +135,8 @@ class AttentionParams:
       dropout_rate: probability of dropping an attention weight.
       broadcast_dropout: one dropout mask for all batch rows and heads (Flax's default).
       float32_residual: the forward returns o in float32, kept for the backward's delta.
-      score_mod, mask_mod: the user functions as traced `flex.Mod`s (equal when they are the
-        same function with closed-over arrays of the same shapes), or None.
+      score_mod, mask_mod: the user functions as traced `flex.Mod`s (equal when they trace to
+        the same program on closed-over arrays of the same shapes), or None.
       backend: the registered backend that runs the forward, and `config` its config.
       backward_backend: the one that runs the backward, and `backward_config` its config.
       interpret: run the Pallas kernels in interpret mode (CPU).

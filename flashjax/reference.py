@@ -73,8 +73,8 @@ def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, sc
            seq_q: int | None = None):
     """The logits [B, H, Tq, Tk] before masking, in float32 (or the inputs' dtype when wider).
 
-    ``score_mod(scale * q.k, batch, head, q_idx, kv_idx)``, then the softcap, then bias and
-    ALiBi. With `rows` (int positions of q's rows among `seq_q` queries) q and `bias` hold
+    ``score_mod(scale * q.k, batch, head, q_idx, kv_idx)`` (in float32), then the softcap,
+    then bias and ALiBi. With `rows` (int positions of q's rows among `seq_q` queries) q and `bias` hold
     those rows only.
     """
     batch, n_rows, heads, head_dim = q.shape
@@ -87,8 +87,10 @@ def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, sc
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(dtype), precision=hp).reshape(batch, heads, n_rows, seq_k)
     logits = logits * scale
     if score_mod is not None:
+        # score_mod takes float32 scores (as in the kernels), also from float64 inputs.
         positions = jnp.arange(seq_q) if rows is None else rows
-        logits = flex.elementwise(score_mod, logits, *_grid(batch, heads, positions, seq_k)).astype(dtype)
+        score = logits.astype(jnp.float32)
+        logits = flex.elementwise(score_mod, score, *_grid(batch, heads, positions, seq_k)).astype(dtype)
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:

@@ -267,9 +267,10 @@ def test_mla_head_dims_lower_to_triton_for_sm90(on_hopper):
 
 
 def test_flex_lowers_to_triton_for_sm90(on_hopper):
-    """A learned-table score_mod (read through pointer loads: Triton has no gather), a head-dependent
-    mask_mod (per-head tile ranges) and sinks lower for sm_90: 3 kernels, and outside them (the
-    block mask, the table's gradient over query chunks) no score-sized tensor."""
+    """A learned-table score_mod (read through pointer loads: Triton has no gather; also a 0-d array,
+    a bool array and a point gather), a head-dependent mask_mod (per-head tile ranges) and sinks
+    lower for sm_90: 3 kernels, and outside them (the block mask, the table's gradient over query
+    chunks) no score-sized tensor."""
     import flashjax
     from flashjax import mods
 
@@ -277,16 +278,23 @@ def test_flex_lowers_to_triton_for_sm90(on_hopper):
     q = jax.ShapeDtypeStruct((2, SEQ_Q, 4, 64), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, 2, 64), dtype)
     widths = jnp.array([64, 128, 256, 4096], jnp.int32)
+    flags = jnp.array([True, False, True, False])
 
-    def loss(q, k, v, table, sinks):
+    def loss(q, k, v, table, sinks, temperature):
+        t5 = mods.t5_relative_bias(table)
+
+        def score_mod(score, b, h, i, j):  # plain reads, a 0-d array, a bool array, a point gather
+            near = table.at[h, j - i].get(mode="fill", fill_value=0.0)
+            return t5(score * temperature, b, h, i, j) + jnp.where(flags[h], near, 0.0)
+
         o, lse = flashjax.flash_attention(
-            q, k, v, score_mod=mods.t5_relative_bias(table), sinks=sinks, return_lse=True,
+            q, k, v, score_mod=score_mod, sinks=sinks, return_lse=True,
             mask_mod=lambda b, h, i, j: (j <= i + SEQ_K - SEQ_Q) & (i + SEQ_K - SEQ_Q - j <= widths[h]),
         )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
-    args = (q, kv, kv, jax.ShapeDtypeStruct((4, 32), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+    text = grad.trace(q, kv, kv, f32(4, 32), f32(4), f32()).lower(lowering_platforms=("cuda",)).as_text()
     count, scores = _kernel_count_and_scores(text, TritonConfig.default(64, dtype))
     assert count == 3 and not scores, (count, scores)
