@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import check_close, check_lse
 
-from test_variants import SMALL_TILES, Shape
+from test_variants import SMALL_TILES, Shape, _params
 
 import flashjax
 from flashjax import api, backends, flex, mods, reference
@@ -127,15 +127,6 @@ MODS = {
                             bf16=True),
     "chunked": Case(SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.chunked(24))),
 }
-
-
-def _params(cases):
-    out = []
-    for name, case in cases.items():
-        out.append(pytest.param(case, jnp.float32, id=f"{name}-f32"))
-        if case.bf16:
-            out.append(pytest.param(case, jnp.bfloat16, id=f"{name}-bf16"))
-    return out
 
 
 @pytest.mark.parametrize("case, dtype", _params(MODS))
