@@ -1,0 +1,577 @@
+"""Property-based tests: random combinations of every option of `flash_attention`.
+
+Hypothesis draws a shape (from a few fixed ones: each new static configuration
+compiles the interpret-mode kernels, seconds each), a dtype and any combination of
+causal, window, segment ids, lengths, bias, mask, softcap, ALiBi, dropout and scale;
+the Triton kernels (interpret mode on the CPU, tuned or small tiles) and the "xla"
+backend must both match `flashjax.reference.attention` in float32 on upcast inputs:
+output, lse and every gradient (dq, dk, dv, and dbias when a bias is drawn) with
+random cotangents for o and lse, within the dtype's tolerance of `conftest`.
+
+Besides the general property:
+* rows without keys, made by every mechanism (causal or a window with Tq > Tk, a
+  window past kv_lengths, segment ids with no match, lengths of 0, all-False mask
+  rows, a -inf / finfo.min bias row): output 0, lse -inf, zero gradients, no NaN;
+* huge and tiny logits (q scaled by 1e-3 .. 30);
+* NaN and inf in q or k: the rows whose output is NaN are those of
+  `jax.nn.dot_product_attention` given the same mask.
+
+Array contents come from numpy generators seeded by a drawn integer; hypothesis
+draws the structure (which options, their shapes and static values).
+
+Number of examples: the "ci" profile (default) runs a few per test, derandomized
+(the same examples on every run) and without shrinking; set
+``FLASHJAX_HYPOTHESIS_PROFILE=thorough`` for 10x more random examples with shrinking
+and the example database (``.hypothesis/``), or ``=dev`` for the ci examples with
+shrinking (to minimise a failure the ci profile found).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_close, check_lse, tolerance
+from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import strategies as st
+
+import flashjax
+from flashjax import reference
+from flashjax.params import MASKING_BIAS
+from flashjax.kernels.triton import KernelConfig, TritonConfig
+
+# ---- hypothesis profiles ---------------------------------------------------------------------
+_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "ci", derandomize=True, database=None, phases=(Phase.explicit, Phase.generate), **_COMMON
+)
+settings.register_profile("dev", derandomize=True, database=None, **_COMMON)
+settings.register_profile("thorough", **_COMMON)
+PROFILE = os.environ.get("FLASHJAX_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+_SCALE = 10 if PROFILE == "thorough" else 1
+
+
+def examples(n: int):
+    """`n` examples in CI, 10 n in the thorough profile."""
+    return settings(max_examples=n * _SCALE)
+
+
+# ---- shapes and dtypes -------------------------------------------------------------------------
+class Shape(NamedTuple):
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+# A few shapes, reused across examples: odd lengths, Tq < Tk, Tq > Tk, one query
+# (decoding), GQA and MQA, a padded head dim (48), one head.
+SHAPES = [
+    Shape(2, 37, 37, 2, 2, 16),
+    Shape(1, 80, 80, 4, 1, 64),
+    Shape(2, 23, 61, 4, 2, 32),
+    Shape(1, 61, 17, 3, 1, 48),
+    Shape(2, 1, 45, 1, 1, 32),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# Different tiles per kernel (as in test_variants): sequences span several tiles, and the
+# dK/dV kernel's tile ranges differ from the forward's.
+SMALL_TILES = TritonConfig(fwd=KernelConfig(32, 16), dkv=KernelConfig(16, 32), dq=KernelConfig(16, 16))
+BACKENDS = ("triton", "xla")
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+def _broadcast_shape(draw, full: tuple[int, ...]) -> tuple[int, ...]:
+    """Any subset of the dims of `full` set to 1, and leading size-1 dims maybe dropped."""
+    dims = tuple(n if draw(st.booleans()) else 1 for n in full)
+    leading_ones = next((i for i, n in enumerate(dims) if n != 1), len(dims))
+    drop = draw(st.integers(0, min(leading_ones, len(dims) - 1)))
+    return dims[drop:]
+
+
+# ---- one composite strategy per option family ------------------------------------------------
+@st.composite
+def structural(draw, shape: Shape):
+    """causal and window=(left, right), each side None (unbounded) or an int (static options)."""
+    side = st.none() | st.integers(0, max(shape.seq_q, shape.seq_k) + 5)
+    window = draw(st.none() | st.tuples(side, side))
+    return dict(causal=draw(st.booleans()), window=window)
+
+
+@st.composite
+def segment_ids(draw, shape: Shape):
+    """None, or ids [B, T]: packed documents (sorted) or unsorted random ids; one array
+    (Tq == Tk) or a (q, kv) pair, whose two sides are drawn apart (some query ids may
+    have no key)."""
+    if not draw(st.booleans()):
+        return {}
+    rng = np.random.default_rng(draw(seeds))
+
+    def ids(seq):
+        if draw(st.booleans()):  # packed documents: sorted ids from per-row cut points
+            rows = []
+            for _ in range(shape.batch):
+                cuts = draw(st.lists(st.integers(1, max(1, seq - 1)), max_size=4)) if seq > 1 else []
+                rows.append(np.searchsorted(np.sort(cuts), np.arange(seq), side="right"))
+            return np.stack(rows).astype(np.int32)
+        n = draw(st.integers(1, 4))
+        return rng.integers(0, n, (shape.batch, seq), dtype=np.int32)
+
+    if shape.seq_q == shape.seq_k and draw(st.booleans()):
+        return dict(segment_ids=ids(shape.seq_q))
+    return dict(segment_ids=(ids(shape.seq_q), ids(shape.seq_k)))
+
+
+@st.composite
+def lengths(draw, shape: Shape):
+    """q_lengths / kv_lengths, each None or int [B]: 0, the full length, past it, or in between."""
+
+    def one(seq):
+        value = st.sampled_from([0, seq, seq + 7]) | st.integers(0, seq)
+        return draw(st.none() | st.lists(value, min_size=shape.batch, max_size=shape.batch))
+
+    options = dict(q_lengths=one(shape.seq_q), kv_lengths=one(shape.seq_k))
+    return {name: np.array(x, np.int32) for name, x in options.items() if x is not None}
+
+
+@st.composite
+def biases(draw, shape: Shape, dtype):
+    """None, or a random bias broadcastable to [B, H, Tq, Tk] (any dims of size 1, leading
+    ones maybe dropped), float32 or the inputs' dtype."""
+    if not draw(st.booleans()):
+        return {}
+    dims = _broadcast_shape(draw, (shape.batch, shape.heads, shape.seq_q, shape.seq_k))
+    bias_dtype = draw(st.sampled_from([jnp.float32, dtype]))
+    std = draw(st.sampled_from([0.5, 3.0]))
+    values = std * np.random.default_rng(draw(seeds)).standard_normal(dims, dtype=np.float32)
+    return dict(bias=jnp.asarray(values, bias_dtype))
+
+
+@st.composite
+def masks(draw, shape: Shape):
+    """None, or a random boolean mask (True = attend) broadcastable to [B, H, Tq, Tk]."""
+    if not draw(st.booleans()):
+        return {}
+    dims = _broadcast_shape(draw, (shape.batch, shape.heads, shape.seq_q, shape.seq_k))
+    p = draw(st.sampled_from([0.3, 0.8, 0.97]))
+    return dict(mask=np.random.default_rng(draw(seeds)).random(dims) < p)
+
+
+@st.composite
+def logit_transforms(draw, shape: Shape):
+    """scale (None: 1/sqrt(D)), softcap and ALiBi slopes [H] (static scale and softcap)."""
+    options = dict(
+        scale=draw(st.none() | st.sampled_from([0.05, 0.4])),
+        softcap=draw(st.none() | st.sampled_from([1.0, 5.0, 30.0])),
+    )
+    if draw(st.booleans()):
+        slopes = np.random.default_rng(draw(seeds)).uniform(0.0, 0.6, shape.heads)
+        options["alibi_slopes"] = slopes.astype(np.float32)
+    return options
+
+
+@st.composite
+def dropouts(draw):
+    """dropout_rate (0 or a rate) with a key, and broadcast_dropout."""
+    rate = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 0.9]))
+    if rate == 0.0:
+        return {}
+    return dict(
+        dropout_rate=rate, dropout_rng=jax.random.key(draw(st.integers(0, 2**31 - 1))),
+        broadcast_dropout=draw(st.booleans()),
+    )
+
+
+class Case(NamedTuple):
+    """One drawn call: inputs drawn from `seed` (q scaled by `q_scale`), `options` for
+    flash_attention (static values and arrays), `config` for the Triton kernels."""
+
+    shape: Shape
+    dtype: object
+    seed: int
+    q_scale: float
+    options: dict
+    config: TritonConfig | None
+
+    def __repr__(self):
+        return describe(self)
+
+
+@st.composite
+def cases(draw, shapes=SHAPES, dtypes=DTYPES):
+    """A shape, a dtype and any combination of every option family."""
+    shape = draw(st.sampled_from(shapes))
+    dtype = draw(st.sampled_from(dtypes))
+    options = {
+        **draw(structural(shape)), **draw(segment_ids(shape)), **draw(lengths(shape)),
+        **draw(biases(shape, dtype)), **draw(masks(shape)), **draw(logit_transforms(shape)), **draw(dropouts()),
+    }
+    return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES])))
+
+
+# ---- running a case ---------------------------------------------------------------------------
+class Outputs(NamedTuple):
+    """o [B, Tq, H, D], lse [B, H, Tq], dq, dk, dv and dbias (None without a bias)."""
+
+    o: jax.Array
+    lse: jax.Array
+    dq: jax.Array
+    dk: jax.Array
+    dv: jax.Array
+    dbias: jax.Array | None
+
+
+class Inputs(NamedTuple):
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    do: jax.Array
+    dlse: jax.Array
+
+
+def make_inputs(case: Case) -> Inputs:
+    s, rng = case.shape, np.random.default_rng(case.seed)
+
+    def draw(*dims, mult=1.0, dtype=case.dtype):
+        return jnp.asarray((mult * rng.standard_normal(dims, dtype=np.float32)).astype(jnp.dtype(dtype)))
+
+    return Inputs(
+        q=draw(s.batch, s.seq_q, s.heads, s.head_dim, mult=case.q_scale),
+        k=draw(s.batch, s.seq_k, s.kv_heads, s.head_dim),
+        v=draw(s.batch, s.seq_k, s.kv_heads, s.head_dim),
+        do=draw(s.batch, s.seq_q, s.heads, s.head_dim),
+        dlse=draw(s.batch, s.heads, s.seq_q, dtype=jnp.float32),
+    )
+
+
+def _split(options: dict):
+    """(arrays as a pytree of jax arrays, static options as a hashable tuple); bias apart."""
+    options = dict(options)
+    bias = options.pop("bias", None)
+    arrays, static = {}, {}
+    for name, value in options.items():
+        if isinstance(value, tuple) and name == "segment_ids":
+            arrays[name] = tuple(jnp.asarray(x) for x in value)
+        elif hasattr(value, "shape"):
+            arrays[name] = jnp.asarray(value)
+        else:
+            static[name] = value
+    return bias, arrays, tuple(sorted(static.items()))
+
+
+def _vjp(fn, q, k, v, bias, do, dlse) -> Outputs:
+    (o, lse), pullback = jax.vjp(fn, q, k, v, bias)
+    dq, dk, dv, dbias = pullback((do.astype(o.dtype), dlse))
+    return Outputs(o, lse, dq, dk, dv, dbias)
+
+
+# Each example compiles a new program (interpret-mode kernels included); the LLVM backend's
+# optimisations would take a third of that time and buy nothing on programs run once.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.partial(jax.jit, static_argnames=("static",), compiler_options=FAST_COMPILE)
+def _flash_vjp(q, k, v, bias, do, dlse, arrays, static) -> Outputs:
+    # One jit around forward and backward: one compilation per static configuration.
+    fn = lambda q, k, v, b: flashjax.flash_attention(q, k, v, bias=b, return_lse=True, **arrays, **dict(static))
+    return _vjp(fn, q, k, v, bias, do, dlse)
+
+
+@functools.partial(jax.jit, static_argnames=("static",), compiler_options=FAST_COMPILE)
+def _reference_vjp(q, k, v, bias, do, dlse, arrays, static) -> Outputs:
+    up = lambda x: None if x is None else x.astype(jnp.float32)
+    fn = lambda q, k, v, b: reference.attention(q, k, v, bias=b, return_lse=True, **arrays, **dict(static))
+    return _vjp(fn, up(q), up(k), up(v), up(bias), up(do), dlse)
+
+
+def reference_outputs(x: Inputs, options: dict) -> Outputs:
+    """The oracle in float32 on upcast inputs (and bias)."""
+    bias, arrays, static = _split(options)
+    return _reference_vjp(x.q, x.k, x.v, bias, x.do, x.dlse, arrays, static)
+
+
+def flash_outputs(x: Inputs, options: dict, backend: str, config=None) -> Outputs:
+    bias, arrays, static = _split(dict(options, backend=backend, config=config if backend == "triton" else None))
+    return _flash_vjp(x.q, x.k, x.v, bias, x.do, x.dlse, arrays, static)
+
+
+def describe(case: Case) -> str:
+    """The case in words, for the failure report."""
+    def short(value):
+        if isinstance(value, tuple) and value and hasattr(value[0], "shape"):
+            return tuple(short(x) for x in value)
+        if hasattr(value, "shape") and getattr(value, "dtype", None) is not None and value.ndim:
+            if value.ndim == 1 and value.size <= 4 and np.issubdtype(np.asarray(value).dtype, np.integer):
+                return f"{np.asarray(value).tolist()}"
+            return f"{jnp.dtype(value.dtype).name}{tuple(value.shape)}"
+        return value
+    options = {name: short(value) for name, value in case.options.items() if name != "dropout_rng"}
+    return (f"shape={case.shape} dtype={jnp.dtype(case.dtype).name} seed={case.seed} q_scale={case.q_scale} "
+            f"config={'small tiles' if case.config else 'tuned'} options={options}")
+
+
+# ---- checks -----------------------------------------------------------------------------------
+def assert_matches(got: Outputs, want: Outputs, dtype, grads: bool = True, what: str = ""):
+    """Output, lse and (with `grads`) every gradient within the dtype's tolerance; all finite."""
+    check_close(got.o, want.o, dtype, f"{what} o")
+    check_lse(got.lse, want.lse, dtype, f"{what} lse")
+    if not grads:
+        return
+    for name in ("dq", "dk", "dv"):
+        check_close(getattr(got, name), getattr(want, name), dtype, f"{what} {name}")
+    if want.dbias is not None:
+        assert got.dbias.shape == want.dbias.shape, f"{what} dbias shape {got.dbias.shape} != {want.dbias.shape}"
+        check_close(got.dbias, want.dbias, dtype, f"{what} dbias")
+
+
+def assert_empty_rows_are_zero(got: Outputs, want: Outputs, what: str = ""):
+    """Rows that see no key (reference lse = -inf): o = 0, lse = -inf and dq = 0 exactly;
+    keys no query sees: dk = dv = 0; bias rows empty in every row they broadcast over: dbias = 0."""
+    empty = np.asarray(want.lse) == -np.inf  # [B, H, Tq]
+    np.testing.assert_array_equal(np.asarray(got.lse)[empty], -np.inf, err_msg=f"{what} lse of rows without keys")
+    rows = lambda x: np.moveaxis(np.asarray(x, np.float32), 2, 1)[empty]  # [B, T, H, D] -> [n_empty, D]
+    for name in ("o", "dq"):
+        np.testing.assert_array_equal(rows(getattr(got, name)), 0.0, err_msg=f"{what} {name} of rows without keys")
+    unseen = np.all(np.asarray(want.dk) == 0, axis=-1) & np.all(np.asarray(want.dv) == 0, axis=-1)
+    for name in ("dk", "dv"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32)[unseen], 0.0,
+                                      err_msg=f"{what} {name} of keys no query sees")
+    if want.dbias is not None:
+        dbias = np.asarray(got.dbias, np.float32)
+        dbias = dbias.reshape((1,) * (4 - dbias.ndim) + dbias.shape)
+        if dbias.shape[2] > 1:
+            empty_all = empty
+            for axis in (0, 1):
+                if dbias.shape[axis] == 1:
+                    empty_all = empty_all.all(axis=axis, keepdims=True)
+            empty_all = np.broadcast_to(empty_all[..., None], empty_all.shape + (dbias.shape[3],))
+            np.testing.assert_array_equal(dbias[np.broadcast_to(empty_all, dbias.shape)], 0.0,
+                                          err_msg=f"{what} dbias of rows without keys")
+
+
+def check_case(case: Case, grads: bool = True) -> Outputs:
+    """Both backends against the reference; returns the reference's outputs."""
+    note(describe(case))
+    x = make_inputs(case)
+    want = reference_outputs(x, case.options)
+    for backend in BACKENDS:
+        got = flash_outputs(x, case.options, backend, case.config)
+        assert_matches(got, want, case.dtype, grads=grads, what=backend)
+        if grads:
+            assert_empty_rows_are_zero(got, want, what=backend)
+    return want
+
+
+# ---- the general property ---------------------------------------------------------------------
+@examples(12)
+@given(case=cases())
+def test_matches_reference(case):
+    """Any combination of options, any dtype: both backends match the reference, forward and
+    backward, and rows without keys are exactly 0 with lse -inf and zero gradients."""
+    check_case(case)
+
+
+# ---- rows without keys, by every mechanism ----------------------------------------------------
+def _some_rows(draw, n: int) -> np.ndarray:
+    """A non-empty boolean selection of n rows."""
+    picked = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=min(n, 6)))
+    rows = np.zeros(n, bool)
+    rows[list(picked)] = True
+    return rows
+
+
+def _fills(bias_dtype):
+    """Bias values that mask their key in `bias_dtype`: -inf, finfo.min (when at or below
+    -1.7e38: not float16's -65504), the threshold itself, and one below it."""
+    fills = [-np.inf]
+    if float(jnp.finfo(bias_dtype).min) <= MASKING_BIAS:
+        fills += [float(jnp.finfo(bias_dtype).min), -3e38]
+    if jnp.dtype(bias_dtype) == jnp.float32:
+        fills.append(MASKING_BIAS)
+    return fills
+
+
+@st.composite
+def empty_rows(draw, shape: Shape, dtype):
+    """Options under which some rows see no key, by 1-3 of: causal or a window with
+    Tq > Tk, a window past kv_lengths, a query segment absent from the keys, q_lengths,
+    a kv_length of 0, all-False mask rows, whole bias rows of a masking value. Each
+    mechanism empties at least one row by itself."""
+    s = shape
+    mechanisms = ["segments", "q_lengths", "kv_lengths", "mask", "bias", "window"]
+    if s.seq_q > s.seq_k:
+        mechanisms.append("causal")
+    chosen = draw(st.sets(st.sampled_from(mechanisms), min_size=1, max_size=3))
+    rng = np.random.default_rng(draw(seeds))
+    options, kv_lengths = {}, np.full(s.batch, s.seq_k, np.int32)
+    if "causal" in chosen:  # queries i < Tq - Tk sit before the first key
+        options["causal"] = True
+    if "window" in chosen:
+        left = draw(st.none() | st.integers(0, 6))
+        if s.seq_q > s.seq_k:  # query i sees keys up to i - (Tq - Tk) + right: none for the first rows
+            options["window"] = (left, draw(st.integers(0, s.seq_q - s.seq_k - 2)))
+        else:  # the last queries' windows start past kv_lengths
+            left = draw(st.integers(0, 6))
+            options["window"] = (left, draw(st.none() | st.integers(0, 6)))
+            limit = np.array([draw(st.integers(0, max(0, s.seq_k - left - 2))) for _ in range(s.batch)])
+            kv_lengths = np.minimum(kv_lengths, limit)
+    if "segments" in chosen:  # query segment 9 has no key
+        q_ids = rng.integers(0, 3, (s.batch, s.seq_q), dtype=np.int32)
+        for b in range(s.batch):
+            q_ids[b, _some_rows(draw, s.seq_q)] = 9
+        options["segment_ids"] = (q_ids, rng.integers(0, 3, (s.batch, s.seq_k), dtype=np.int32))
+    if "q_lengths" in chosen:  # rows at or past q_lengths are padding
+        options["q_lengths"] = np.array([draw(st.just(0) | st.integers(0, s.seq_q - 1)) for _ in range(s.batch)], np.int32)
+    if "kv_lengths" in chosen:  # a batch row without keys
+        limit = np.array([draw(st.integers(0, s.seq_k + 3)) for _ in range(s.batch)])
+        limit[draw(st.integers(0, s.batch - 1))] = 0
+        kv_lengths = np.minimum(kv_lengths, limit)
+    if not np.all(kv_lengths == s.seq_k):
+        options["kv_lengths"] = kv_lengths.astype(np.int32)
+    # Mask and bias: [b?, h?, Tq, k?] (a size-1 key axis masks whole rows at once).
+    pair_dims = lambda: _broadcast_shape(draw, (s.batch, s.heads, 1, s.seq_k))
+    if "mask" in chosen:
+        dims = list(pair_dims())
+        dims[-2] = s.seq_q
+        mask = rng.random(dims) < 0.8
+        mask[..., _some_rows(draw, s.seq_q), :] = False
+        options["mask"] = mask
+    if "bias" in chosen:
+        dims = list(pair_dims())
+        dims[-2] = s.seq_q
+        bias_dtype = draw(st.sampled_from([jnp.float32, dtype]))
+        bias = rng.standard_normal(dims).astype(np.float32)
+        bias[..., _some_rows(draw, s.seq_q), :] = draw(st.sampled_from(_fills(bias_dtype)))
+        if dims[-1] > 1 and draw(st.booleans()):  # and a few single keys of other rows
+            bias[..., rng.integers(0, s.seq_q, 3), rng.integers(0, s.seq_k, 3)] = draw(st.sampled_from(_fills(bias_dtype)))
+        options["bias"] = jnp.asarray(bias, bias_dtype)
+    options["softcap"] = draw(st.none() | st.just(5.0))
+    return options
+
+
+@st.composite
+def empty_row_cases(draw):
+    shape = draw(st.sampled_from(SHAPES))
+    dtype = draw(st.sampled_from(DTYPES))
+    options = draw(empty_rows(shape, dtype))
+    return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES])))
+
+
+@examples(8)
+@given(case=empty_row_cases())
+def test_rows_without_keys(case):
+    """Rows emptied by any mechanism (and by several at once) output 0 with lse -inf and
+    zero gradients in both backends, with no NaN anywhere; the rest matches the reference."""
+    want = check_case(case)
+    assert np.any(np.asarray(want.lse) == -np.inf), "the case was meant to leave rows without keys"
+
+
+# ---- huge and tiny logits ---------------------------------------------------------------------
+# bf16/fp16 gradients of very peaked rows lose accuracy (the backward's delta = rowsum(dO * O)
+# uses the rounded output): half precision checks the gradients only up to this q scale, and
+# the forward at every scale.
+HALF_PRECISION_GRAD_SCALE = 3.0
+
+
+@st.composite
+def scaled_cases(draw):
+    """q scaled by 1e-3 .. 30 (logits of std ~ the scale), with or without causal and softcap."""
+    shape = draw(st.sampled_from(SHAPES[:3]))
+    dtype = draw(st.sampled_from(DTYPES))
+    q_scale = draw(st.sampled_from([1e-3, 0.03, 1.0, 10.0, 30.0]))
+    options = dict(causal=draw(st.booleans()), softcap=draw(st.none() | st.just(20.0)))
+    return Case(shape, dtype, draw(seeds), q_scale, options, None)
+
+
+@examples(6)
+@given(case=scaled_cases())
+def test_huge_and_tiny_logits(case):
+    """Near-uniform (tiny logits) and near-one-hot (huge logits) rows match the reference;
+    in bf16/fp16 the gradients are checked only for moderate logits."""
+    half = jnp.dtype(case.dtype) != jnp.float32
+    check_case(case, grads=not half or case.q_scale <= HALF_PRECISION_GRAD_SCALE)
+
+
+# ---- NaN and inf propagation, against jax.nn --------------------------------------------------
+@st.composite
+def poisons(draw, shape: Shape):
+    """1-3 entries of q or k set to NaN, +inf or -inf: (tensor, batch, position, head, dim, value)."""
+    s = shape
+
+    def one():
+        tensor = draw(st.sampled_from(["q", "k"]))
+        seq, heads = (s.seq_q, s.heads) if tensor == "q" else (s.seq_k, s.kv_heads)
+        return (tensor, draw(st.integers(0, s.batch - 1)), draw(st.integers(0, seq - 1)),
+                draw(st.integers(0, heads - 1)), draw(st.integers(0, s.head_dim - 1)),
+                draw(st.sampled_from([np.nan, np.inf, -np.inf])))
+
+    return [one() for _ in range(draw(st.integers(1, 3)))]
+
+
+@st.composite
+def poisoned_cases(draw):
+    """Masking options only (jax.nn takes the same mask as one boolean array), and poisons."""
+    shape = draw(st.sampled_from(SHAPES))
+    dtype = draw(st.sampled_from(DTYPES))
+    options = {**draw(structural(shape)), **draw(segment_ids(shape)), **draw(lengths(shape)), **draw(masks(shape))}
+    return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES]))), draw(poisons(shape))
+
+
+@functools.partial(jax.jit, static_argnames=("static",), compiler_options=FAST_COMPILE)
+def _flash_forward(q, k, v, arrays, static):
+    return flashjax.flash_attention(q, k, v, return_lse=True, **arrays, **dict(static))
+
+
+@functools.partial(jax.jit, static_argnames=("static",), compiler_options=FAST_COMPILE)
+def _jax_nn_forward(q, k, v, arrays, static):
+    """jax.nn.dot_product_attention in float32 with the mask every option implies."""
+    static = dict(static)
+    mask = reference.logits_mask(
+        q.shape[0], q.shape[1], k.shape[1], causal=static.get("causal", False), window=static.get("window"),
+        segment_ids=arrays.get("segment_ids"), q_lengths=arrays.get("q_lengths"),
+        kv_lengths=arrays.get("kv_lengths"), mask=arrays.get("mask"),
+    )
+    up = lambda x: x.astype(jnp.float32)
+    o = jax.nn.dot_product_attention(up(q), up(k), up(v), mask=mask, implementation="xla")
+    _, lse = reference.attention(up(q), up(k), up(v), return_lse=True, **arrays, **static)
+    return o, lse
+
+
+@examples(8)
+@given(poisoned=poisoned_cases())
+def test_nan_and_inf_rows_match_jax_nn(poisoned):
+    """A NaN or inf in q or k makes NaN exactly the output rows that jax.nn makes NaN
+    (the rows whose visible logits include a NaN, or +inf next to anything), in both
+    backends; the other rows are finite and, where the reference sees keys, equal
+    jax.nn's (rows without keys are 0 here, the mean of the values in jax.nn)."""
+    case, poison = poisoned
+    note(f"{describe(case)} poisons={poison}")
+    x = make_inputs(case)
+    q, k = np.array(x.q, np.float32), np.array(x.k, np.float32)
+    for tensor, b, t, h, d, value in poison:
+        (q if tensor == "q" else k)[b, t, h, d] = value
+    q, k = jnp.asarray(q, case.dtype), jnp.asarray(k, case.dtype)
+    _, arrays, static = _split(case.options)
+    want, ref_lse = _jax_nn_forward(q, k, x.v, arrays, static)
+    want_nan = np.isnan(np.asarray(want)).any(-1)  # [B, Tq, H]
+    seen = np.isfinite(np.moveaxis(np.asarray(ref_lse), 1, 2)) & ~want_nan
+    for backend in BACKENDS:
+        config = case.config if backend == "triton" else None
+        _, arrays, static = _split(dict(case.options, backend=backend, config=config))
+        o, lse = _flash_forward(q, k, x.v, arrays, static)
+        o = np.asarray(o, np.float32)
+        got_nan = np.isnan(o).any(-1)
+        np.testing.assert_array_equal(got_nan, want_nan, err_msg=f"{backend}: rows with NaN (b, t, h) differ from jax.nn")
+        assert np.all(np.isfinite(o[~got_nan])), f"{backend}: inf in rows without NaN"
+        if seen.any():
+            check_close(o[seen], np.asarray(want)[seen], case.dtype, f"{backend} o of clean rows")
