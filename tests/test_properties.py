@@ -91,9 +91,10 @@ BACKENDS = ("triton", "xla")
 seeds = st.integers(0, 2**32 - 1)
 
 
-def _broadcast_shape(draw, full: tuple[int, ...]) -> tuple[int, ...]:
-    """Any subset of the dims of `full` set to 1, and leading size-1 dims maybe dropped."""
-    dims = tuple(n if draw(st.booleans()) else 1 for n in full)
+def _broadcast_shape(draw, full: tuple[int, ...], keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Any subset of the dims of `full` (but those in `keep`) set to 1, and leading size-1
+    dims maybe dropped."""
+    dims = tuple(n if i in keep or draw(st.booleans()) else 1 for i, n in enumerate(full))
     leading_ones = next((i for i, n in enumerate(dims) if n != 1), len(dims))
     drop = draw(st.integers(0, min(leading_ones, len(dims) - 1)))
     return dims[drop:]
@@ -331,7 +332,20 @@ def assert_matches(got: Outputs, want: Outputs, dtype, grads: bool = True, what:
         check_close(getattr(got, name), getattr(want, name), dtype, f"{what} {name}")
     if want.dbias is not None:
         assert got.dbias.shape == want.dbias.shape, f"{what} dbias shape {got.dbias.shape} != {want.dbias.shape}"
-        check_close(got.dbias, want.dbias, dtype, f"{what} dbias")
+        if dbias_comparable(got.dbias.shape, dtype):
+            check_close(got.dbias, want.dbias, dtype, f"{what} dbias")
+
+
+def dbias_comparable(bias_shape, dtype) -> bool:
+    """Whether dbias is compared with the reference's: always, except in bfloat16/float16
+    for a bias broadcast along the keys (see `test_half_precision_dbias_summed_over_keys`).
+
+    Summed over keys, dbias_i = sum_j P_ij (dP_ij - delta_i) + dlse_i: in exact arithmetic
+    the first sum cancels to 0 and dbias_i = dlse_i. The kernels take delta_i = dO_i . O_i
+    from the output rounded to the input dtype, so the cancellation leaves dO_i . (O_i - round(O_i))
+    behind, of the order of the dtype's rounding times |dO_i| |O_i|: relative to dlse it can
+    exceed the dtype's tolerance (a known consequence of FlashAttention's delta)."""
+    return jnp.dtype(dtype) == jnp.float32 or bias_shape[-1] != 1
 
 
 def assert_empty_rows_are_zero(got: Outputs, want: Outputs, what: str = ""):
@@ -439,16 +453,14 @@ def empty_rows(draw, shape: Shape, dtype):
     if not np.all(kv_lengths == s.seq_k):
         options["kv_lengths"] = kv_lengths.astype(np.int32)
     # Mask and bias: [b?, h?, Tq, k?] (a size-1 key axis masks whole rows at once).
-    pair_dims = lambda: _broadcast_shape(draw, (s.batch, s.heads, 1, s.seq_k))
+    pair_dims = lambda: _broadcast_shape(draw, (s.batch, s.heads, s.seq_q, s.seq_k), keep=(2,))
     if "mask" in chosen:
-        dims = list(pair_dims())
-        dims[-2] = s.seq_q
+        dims = pair_dims()
         mask = rng.random(dims) < 0.8
         mask[..., _some_rows(draw, s.seq_q), :] = False
         options["mask"] = mask
     if "bias" in chosen:
-        dims = list(pair_dims())
-        dims[-2] = s.seq_q
+        dims = pair_dims()
         bias_dtype = draw(st.sampled_from([jnp.float32, dtype]))
         bias = rng.standard_normal(dims).astype(np.float32)
         bias[..., _some_rows(draw, s.seq_q), :] = draw(st.sampled_from(_fills(bias_dtype)))
@@ -477,12 +489,6 @@ def test_rows_without_keys(case):
 
 
 # ---- huge and tiny logits ---------------------------------------------------------------------
-# bf16/fp16 gradients of very peaked rows lose accuracy (the backward's delta = rowsum(dO * O)
-# uses the rounded output): half precision checks the gradients only up to this q scale, and
-# the forward at every scale.
-HALF_PRECISION_GRAD_SCALE = 3.0
-
-
 @st.composite
 def scaled_cases(draw):
     """q scaled by 1e-3 .. 30 (logits of std ~ the scale), with or without causal and softcap."""
@@ -496,10 +502,14 @@ def scaled_cases(draw):
 @examples(6)
 @given(case=scaled_cases())
 def test_huge_and_tiny_logits(case):
-    """Near-uniform (tiny logits) and near-one-hot (huge logits) rows match the reference;
-    in bf16/fp16 the gradients are checked only for moderate logits."""
-    half = jnp.dtype(case.dtype) != jnp.float32
-    check_case(case, grads=not half or case.q_scale <= HALF_PRECISION_GRAD_SCALE)
+    """Near-uniform (tiny logits) and near-one-hot (huge logits) rows match the reference,
+    forward and backward, in every dtype.
+
+    Measured against the reference (Shape(1, 80, 80, 4, 1, 64), worst of 3 seeds): in float32
+    dk/dv errors grow with the logits, 1.1e-5 at q x 30 (the tolerance is 2e-5; 3-4e-5 at
+    q x 100, where the float32 reference itself is that far from the truth); bfloat16 and
+    float16 stay at 5e-3 / 8e-4 up to q x 3000 (tolerances 1.6e-2 / 2e-3)."""
+    check_case(case)
 
 
 # ---- NaN and inf propagation, against jax.nn --------------------------------------------------
@@ -575,3 +585,73 @@ def test_nan_and_inf_rows_match_jax_nn(poisoned):
         assert np.all(np.isfinite(o[~got_nan])), f"{backend}: inf in rows without NaN"
         if seen.any():
             check_close(o[seen], np.asarray(want)[seen], case.dtype, f"{backend} o of clean rows")
+
+
+# ---- regressions: what the properties found ---------------------------------------------------
+# Hypothesis (thorough profile) found float16 with a float32 bias of shape (1, 1, 1, 1) (and
+# ALiBi) out of tolerance in dbias; reduced to the cases below.
+KEY_SUMMED_DBIAS = [
+    pytest.param(jnp.float16, 3, id="f16-seed3"),  # 3.7e-3 > 2e-3
+    pytest.param(jnp.bfloat16, 7, id="bf16-seed7"),  # 2.0e-2 > 1.6e-2
+]
+
+
+def _scalar_bias_case(dtype, seed) -> Case:
+    return Case(Shape(1, 16, 16, 1, 1, 16), dtype, seed, 1.0, dict(bias=jnp.zeros((1, 1, 1, 1), jnp.float32)), None)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "precision: bf16/fp16 dbias summed over keys is the rounding residue of delta = rowsum(dO * round(O))"))
+@pytest.mark.parametrize("dtype, seed", KEY_SUMMED_DBIAS)
+def test_half_precision_dbias_summed_over_keys(dtype, seed):
+    """A scalar bias: dbias = sum of all dS = sum(dlse) in exact arithmetic. The Triton
+    backward's delta = rowsum(dO * O) uses the output rounded to the input dtype, and summed
+    over the keys the P (dP - delta) terms cancel but for that rounding's residue: up to 2x
+    the dtype's tolerance relative to sum(dlse). (The "xla" backend is exact here.)"""
+    case = _scalar_bias_case(dtype, seed)
+    x = make_inputs(case)
+    got = flash_outputs(x, case.options, "triton")
+    check_close(got.dbias, reference_outputs(x, case.options).dbias, dtype, "dbias")
+
+
+@pytest.mark.parametrize("dtype, seed", KEY_SUMMED_DBIAS)
+def test_half_precision_dbias_is_that_of_the_rounded_output(dtype, seed):
+    """The same cases: the kernels' dbias is exact (float64, 1e-5) once delta is taken from
+    the rounded output, as the kernels do; so the error above is that rounding alone."""
+    case = _scalar_bias_case(dtype, seed)
+    x = make_inputs(case)
+    got = flash_outputs(x, case.options, "triton")
+    q, k, v, do, dlse = (np.asarray(a, np.float64) for a in x)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(case.shape.head_dim)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v)
+
+    def dbias(o):
+        delta = np.einsum("bqhd,bqhd->bhq", do, o)
+        return np.sum(p * (dp - delta[..., None]) + dlse[..., None] * p, keepdims=True)
+
+    exact = dbias(np.einsum("bhqk,bkhd->bqhd", p, v))
+    rounded = dbias(np.asarray(got.o, np.float64))
+    assert abs(float(got.dbias.ravel()[0]) - rounded.item()) <= 1e-5 * abs(rounded.item())
+    assert abs(rounded.item() - exact.item()) > tolerance(dtype) * abs(exact.item()), "the rounding alone exceeds the tolerance"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "differs from jax.nn: a row of -inf logits from an infinite input is a row without keys (0), NaN in jax.nn"))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_of_minus_inf_logits_is_nan_like_jax_nn(backend):
+    """q[0, 0, 0, 0] = -inf and every k[..., 0] > 0: every logit of row 0 is -inf.
+
+    flashjax (both backends) treats the row as one without keys: output 0, lse -inf.
+    jax.nn.dot_product_attention outputs NaN (and, when some keys of the row are masked,
+    the mean of their values). Which one flashjax wants is a decision, not asserted
+    by the property test (it compares NaN rows only)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 1, 16)).astype(np.float32) for n in (4, 3, 3))
+    k[..., 0] = np.abs(k[..., 0]) + 0.1
+    q[0, 0, 0, 0] = -np.inf
+    want = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla"))
+    assert np.isnan(want[0, 0]).all() and np.isfinite(want[0, 1:]).all()
+    got = np.asarray(flashjax.flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend=backend))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
