@@ -570,23 +570,30 @@ def test_nan_and_inf_rows_match_jax_nn(poisoned):
     note(f"{describe(case)} poisons={poison}")
     x = make_inputs(case)
     q, k = np.array(x.q, np.float32), np.array(x.k, np.float32)
-    q_lengths = case.options.get("q_lengths")
     for tensor, b, t, h, d, value in poison:
-        if tensor == "q" and q_lengths is not None and t >= q_lengths[b]:
-            continue  # a padding row: NaN in the Triton kernels (test_padding_query_row_with_nan)
         (q if tensor == "q" else k)[b, t, h, d] = value
     q, k = jnp.asarray(q, case.dtype), jnp.asarray(k, case.dtype)
     _, arrays, static = _split(case.options)
     want, ref_lse = _jax_nn_forward(q, k, x.v, arrays, static)
     want_nan = np.isnan(np.asarray(want)).any(-1)  # [B, Tq, H]
     seen = np.isfinite(np.moveaxis(np.asarray(ref_lse), 1, 2)) & ~want_nan
+    # Rows past q_lengths must output 0; the Triton kernels output NaN there when the row's
+    # logits are NaN (test_padding_query_row_with_nan): they are compared in "xla" only.
+    q_lengths = case.options.get("q_lengths")
+    padding = np.zeros(want_nan.shape, bool)
+    if q_lengths is not None:
+        padding = np.arange(case.shape.seq_q)[None, :, None] >= np.asarray(q_lengths)[:, None, None]
+        padding = np.broadcast_to(padding, want_nan.shape)
     for backend in BACKENDS:
         config = case.config if backend == "triton" else None
         _, arrays, static = _split(dict(case.options, backend=backend, config=config))
         o, lse = _flash_forward(q, k, x.v, arrays, static)
         o = np.asarray(o, np.float32)
         got_nan = np.isnan(o).any(-1)
-        np.testing.assert_array_equal(got_nan, want_nan, err_msg=f"{backend}: rows with NaN (b, t, h) differ from jax.nn")
+        compared = ~padding if backend == "triton" else np.ones_like(padding)
+        np.testing.assert_array_equal(got_nan[compared], want_nan[compared],
+                                      err_msg=f"{backend}: rows with NaN differ from jax.nn")
+        np.testing.assert_array_equal(o[padding & compared], 0.0, err_msg=f"{backend}: rows past q_lengths")
         assert np.all(np.isfinite(o[~got_nan])), f"{backend}: inf in rows without NaN"
         if seen.any():
             check_close(o[seen], np.asarray(want)[seen], case.dtype, f"{backend} o of clean rows")
@@ -662,36 +669,56 @@ def test_row_of_minus_inf_logits_is_nan_like_jax_nn(backend):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
 
 
-# Found by test_nan_and_inf_rows_match_jax_nn (thorough profile): a NaN in q on a row past
-# q_lengths. The Triton forward scales the row's accumulator by 0 (NaN * 0 = NaN) instead of
-# selecting 0; its backward recomputes P = exp2(S - lse2) with lse2 = +inf for padded rows,
-# which is NaN when S is, and nothing masks padded rows, so dv (and dk) of every key the
-# row's tiles meet turn NaN. The "xla" backend (where-masking) outputs 0 there and keeps dv
-# finite. (dk is NaN in both backends and in jax.nn: the gradient of a where-masked logit is
-# 0, times the NaN q.)
+# Found by test_nan_and_inf_rows_match_jax_nn (thorough profile): NaN logits on a row past
+# q_lengths, from a NaN/inf in that row's q or in any key. The Triton forward computes padded
+# rows like the others and scales their accumulator by 0 (NaN * 0 = NaN) instead of selecting
+# 0. Its backward recomputes P = exp2(S - lse2) with lse2 = +inf for padded rows, NaN when S
+# is, and nothing masks padded rows: with a NaN in a padded row's q, dv of every key that
+# row's tiles meet turns NaN. The "xla" backend (where-masking) outputs 0 on padded rows and
+# keeps dv finite. (dk is NaN in both backends, as in jax.nn: the gradient of a where-masked
+# logit is 0, times the NaN q.)
 _PADDING_NAN = pytest.mark.xfail(strict=True, reason=(
-    "bug: a non-finite q on a row past q_lengths makes that row's output NaN and dv of every key NaN "
-    "(Triton); the docstring promises 0 output and 0 gradient for such rows"))
+    "bug (Triton): NaN logits on a row past q_lengths give that row a NaN output (and, from a NaN q, "
+    "NaN dv for every key); the docstring promises 0 output and 0 gradient for such rows"))
+
+
+def _padding_case(backend, where):
+    """q_lengths = 4 of 16 rows, and q[0, 5, 0, 0] (a padded row) or k[0, 0, 0, 0] (a key of
+    every row) non-finite: (poisoned, clean) outputs (o, lse, dq, dk, dv)."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 16, 1, 16)).astype(np.float32) for _ in range(4))
+    pq, pk = q.copy(), k.copy()
+    if where == "k-nan":
+        pk[0, 0, 0, 0] = np.nan
+    else:
+        pq[0, 5, 0, 0] = np.nan if where == "q-nan" else np.inf
+    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, q_lengths=jnp.array([4]), return_lse=True, backend=backend)
+
+    def run(q, k):
+        (o, lse), pullback = jax.vjp(fn, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        return [np.asarray(a) for a in (o, lse) + pullback((jnp.asarray(do), jnp.zeros_like(lse)))]
+
+    return run(pq, pk), run(q, k)
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=_PADDING_NAN), "xla"])
-@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
-def test_padding_query_row_with_nan(backend, value):
-    """q_lengths = 4 of 16 rows and q[0, 5, 0, 0] non-finite: row 5 outputs 0 (lse -inf),
-    the other rows, dq of the real rows and dv are those of the clean inputs."""
-    rng = np.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((1, 16, 1, 16)).astype(np.float32) for _ in range(4))
-    poisoned = q.copy()
-    poisoned[0, 5, 0, 0] = value
-    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, q_lengths=jnp.array([4]), return_lse=True, backend=backend)
+@pytest.mark.parametrize("where", ["q-nan", "q-inf", "k-nan"])
+def test_padding_query_row_with_nan(backend, where):
+    """The padded rows output 0 with lse -inf; the real rows are those of the clean inputs
+    (NaN everywhere with a NaN key, which every real row sees)."""
+    (o, lse, *_), (want_o, *_) = _padding_case(backend, where)
+    np.testing.assert_array_equal(lse[0, 0, 4:], -np.inf)
+    np.testing.assert_array_equal(o[:, 4:], 0.0, err_msg="output of the padded rows")
+    if where == "k-nan":
+        assert np.isnan(o[:, :4]).all(), "every real row sees the NaN key"
+    else:
+        np.testing.assert_array_equal(o, want_o, err_msg="output")
 
-    def run(q):
-        (o, lse), pullback = jax.vjp(fn, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
-        return (o, lse) + pullback((jnp.asarray(do), jnp.zeros_like(lse)))
 
-    o, lse, dq, _, dv = (np.asarray(a) for a in run(poisoned))
-    want_o, _, want_dq, _, want_dv = (np.asarray(a) for a in run(q))
-    assert lse[0, 0, 5] == -np.inf
-    np.testing.assert_array_equal(o, want_o, err_msg="output")
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=_PADDING_NAN), "xla"])
+@pytest.mark.parametrize("where", ["q-nan", "q-inf"])
+def test_padding_query_row_with_nan_gradients(backend, where):
+    """A NaN/inf in a padded row's q: dq of the real rows and dv are those of the clean inputs."""
+    (_, _, dq, _, dv), (_, _, want_dq, _, want_dv) = _padding_case(backend, where)
     np.testing.assert_array_equal(dq[:, :4], want_dq[:, :4], err_msg="dq of the real rows")
     np.testing.assert_allclose(dv, want_dv, rtol=1e-6, atol=1e-6, err_msg="dv")
