@@ -193,6 +193,16 @@ def dropouts(draw):
     )
 
 
+@st.composite
+def residuals(draw):
+    """float32_residual: the backward's delta from the output kept in float32 (a backward-only
+    option: the reference has no such argument)."""
+    return dict(float32_residual=True) if draw(st.booleans()) else {}
+
+
+KERNEL_ONLY = ("float32_residual",)
+
+
 class Case(NamedTuple):
     """One drawn call: inputs drawn from `seed` (q scaled by `q_scale`), `options` for
     flash_attention (static values and arrays), `config` for the Triton kernels."""
@@ -216,6 +226,7 @@ def cases(draw, shapes=SHAPES, dtypes=DTYPES):
     options = {
         **draw(structural(shape)), **draw(segment_ids(shape)), **draw(lengths(shape)),
         **draw(biases(shape, dtype)), **draw(masks(shape)), **draw(logit_transforms(shape)), **draw(dropouts()),
+        **draw(residuals()),
     }
     return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES])))
 
@@ -297,7 +308,7 @@ def _reference_vjp(q, k, v, bias, do, dlse, arrays, static) -> Outputs:
 
 def reference_outputs(x: Inputs, options: dict) -> Outputs:
     """The oracle in float32 on upcast inputs (and bias)."""
-    bias, arrays, static = _split(options)
+    bias, arrays, static = _split({name: value for name, value in options.items() if name not in KERNEL_ONLY})
     return _reference_vjp(x.q, x.k, x.v, bias, x.do, x.dlse, arrays, static)
 
 
@@ -346,7 +357,9 @@ def dbias_comparable(bias_shape, dtype) -> bool:
     the first sum cancels to 0 and dbias_i = dlse_i. The kernels take delta_i = dO_i . O_i
     from the output rounded to the input dtype, so the cancellation leaves dO_i . (O_i - round(O_i))
     behind, of the order of the dtype's rounding times |dO_i| |O_i|: relative to dlse it can
-    exceed the dtype's tolerance (a known consequence of FlashAttention's delta)."""
+    exceed the dtype's tolerance (a known consequence of FlashAttention's delta).
+    float32_residual=True removes that part but not the forward's rounding of P for the P V
+    product, which leaves float16 at about the tolerance (2.2e-3 for 2e-3 in the f16 case)."""
     return jnp.dtype(dtype) == jnp.float32 or bias_shape[-1] != 1
 
 
@@ -389,7 +402,7 @@ def check_case(case: Case, grads: bool = True) -> Outputs:
 
 
 # ---- the general property ---------------------------------------------------------------------
-@examples(12)
+@examples(16)
 @given(case=cases())
 def test_matches_reference(case):
     """Any combination of options, any dtype: both backends match the reference, forward and
@@ -481,7 +494,7 @@ def empty_row_cases(draw):
     return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES])))
 
 
-@examples(8)
+@examples(10)
 @given(case=empty_row_cases())
 def test_rows_without_keys(case):
     """Rows emptied by any mechanism (and by several at once) output 0 with lse -inf and
@@ -497,11 +510,11 @@ def scaled_cases(draw):
     shape = draw(st.sampled_from(SHAPES[:3]))
     dtype = draw(st.sampled_from(DTYPES))
     q_scale = draw(st.sampled_from([1e-3, 0.03, 1.0, 10.0, 30.0]))
-    options = dict(causal=draw(st.booleans()), softcap=draw(st.none() | st.just(20.0)))
+    options = dict(causal=draw(st.booleans()), softcap=draw(st.none() | st.just(20.0)), **draw(residuals()))
     return Case(shape, dtype, draw(seeds), q_scale, options, None)
 
 
-@examples(6)
+@examples(8)
 @given(case=scaled_cases())
 def test_huge_and_tiny_logits(case):
     """Near-uniform (tiny logits) and near-one-hot (huge logits) rows match the reference,
@@ -559,7 +572,7 @@ def _jax_nn_forward(q, k, v, arrays, static):
     return o, lse
 
 
-@examples(8)
+@examples(10)
 @given(poisoned=poisoned_cases())
 def test_nan_and_inf_rows_match_jax_nn(poisoned):
     """A NaN or inf in q or k makes NaN exactly the output rows that jax.nn makes NaN
