@@ -2,11 +2,11 @@
 
 Hypothesis draws a shape (from a few fixed ones: each new static configuration
 compiles the interpret-mode kernels, seconds each), a dtype and any combination of
-causal, window, segment ids, lengths, bias, mask, softcap, ALiBi, dropout and scale;
-the Triton kernels (interpret mode on the CPU, tuned or small tiles) and the "xla"
-backend must both match `flashjax.reference.attention` in float32 on upcast inputs:
-output, lse and every gradient (dq, dk, dv, and dbias when a bias is drawn) with
-random cotangents for o and lse, within the dtype's tolerance of `conftest`.
+causal, window, segment ids, lengths, bias, mask, softcap, ALiBi, dropout, scale and
+float32_residual; the Triton kernels (interpret mode on the CPU, tuned or small tiles)
+and the "xla" backend must both match `flashjax.reference.attention` in float32 on
+upcast inputs: output, lse and every gradient (dq, dk, dv, and dbias when a bias is
+drawn) with random cotangents for o and lse, within the dtype's tolerance of `conftest`.
 
 Besides the general property:
 * rows without keys, made by every mechanism (causal or a window with Tq > Tk, a
@@ -18,6 +18,15 @@ Besides the general property:
 
 Array contents come from numpy generators seeded by a drawn integer; hypothesis
 draws the structure (which options, their shapes and static values).
+
+What they found is pinned by explicit tests at the end (xfail(strict=True) where the
+library is at fault), and kept out of the properties with a comment saying so:
+* bf16/fp16 dbias of a bias broadcast along the keys (`dbias_comparable`);
+* bf16/fp16 dq, dk of one-key rows with dropout 0.9 (`HIGH_DROPOUT`);
+* rows past q_lengths whose logits are NaN output NaN in the Triton kernels, and a NaN
+  q there makes dv NaN (`test_padding_query_row_with_nan`);
+* a row whose logits are all -inf from an infinite input is a row without keys (0) in
+  flashjax, NaN in jax.nn (`test_row_of_minus_inf_logits_is_nan_like_jax_nn`).
 
 Number of examples: the "ci" profile (default) runs a few per test, derandomized
 (the same examples on every run) and without shrinking; set
@@ -101,10 +110,15 @@ def _broadcast_shape(draw, full: tuple[int, ...], keep: tuple[int, ...] = ()) ->
 
 
 # ---- one composite strategy per option family ------------------------------------------------
+# Window sides next to tile edges (tiles are 16, 32 or 64 long): where a tile range is off by one.
+NEAR_TILE_EDGES = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65]
+
+
 @st.composite
 def structural(draw, shape: Shape):
-    """causal and window=(left, right), each side None (unbounded) or an int (static options)."""
-    side = st.none() | st.integers(0, max(shape.seq_q, shape.seq_k) + 5)
+    """causal and window=(left, right), each side None (unbounded) or an int >= 0: small,
+    next to a tile edge, or anywhere up to past the lengths (static options)."""
+    side = st.none() | st.integers(0, 3) | st.sampled_from(NEAR_TILE_EDGES) | st.integers(0, max(shape.seq_q, shape.seq_k) + 5)
     window = draw(st.none() | st.tuples(side, side))
     return dict(causal=draw(st.booleans()), window=window)
 
@@ -181,10 +195,21 @@ def logit_transforms(draw, shape: Shape):
     return options
 
 
+# In bf16/fp16 the backward's delta = rowsum(dO * O) takes O rounded to the dtype; dropout
+# scales O by 1 / (1 - rate), 10x at 0.9, and in peaked rows (one visible key: a window of
+# (0, 0)) dq and dk are then that rounding's residue, out of tolerance
+# (test_half_precision_high_dropout_peaked_rows). Rate 0.9 is drawn in float32, or with
+# float32_residual.
+HIGH_DROPOUT = 0.9
+
+
 @st.composite
-def dropouts(draw):
+def dropouts(draw, dtype, float32_residual: bool):
     """dropout_rate (0 or a rate) with a key, and broadcast_dropout."""
-    rate = draw(st.sampled_from([0.0, 0.0, 0.1, 0.5, 0.9]))
+    rates = [0.0, 0.0, 0.1, 0.5]
+    if jnp.dtype(dtype) == jnp.float32 or float32_residual:
+        rates.append(HIGH_DROPOUT)
+    rate = draw(st.sampled_from(rates))
     if rate == 0.0:
         return {}
     return dict(
@@ -223,10 +248,11 @@ def cases(draw, shapes=SHAPES, dtypes=DTYPES):
     """A shape, a dtype and any combination of every option family."""
     shape = draw(st.sampled_from(shapes))
     dtype = draw(st.sampled_from(dtypes))
+    residual = draw(residuals())
     options = {
         **draw(structural(shape)), **draw(segment_ids(shape)), **draw(lengths(shape)),
-        **draw(biases(shape, dtype)), **draw(masks(shape)), **draw(logit_transforms(shape)), **draw(dropouts()),
-        **draw(residuals()),
+        **draw(biases(shape, dtype)), **draw(masks(shape)), **draw(logit_transforms(shape)),
+        **draw(dropouts(dtype, bool(residual))), **residual,
     }
     return Case(shape, dtype, draw(seeds), 1.0, options, draw(st.sampled_from([None, SMALL_TILES])))
 
@@ -604,6 +630,8 @@ def test_nan_and_inf_rows_match_jax_nn(poisoned):
         np.testing.assert_array_equal(got_nan[compared], want_nan[compared],
                                       err_msg=f"{backend}: rows with NaN differ from jax.nn")
         np.testing.assert_array_equal(o[padding & compared], 0.0, err_msg=f"{backend}: rows past q_lengths")
+        empty = np.moveaxis(np.asarray(lse), 1, 2) == -np.inf
+        np.testing.assert_array_equal(o[empty & compared], 0.0, err_msg=f"{backend}: rows without keys")
         assert np.all(np.isfinite(o[~got_nan])), f"{backend}: inf in rows without NaN"
         if seen.any():
             check_close(o[seen], np.asarray(want)[seen], case.dtype, f"{backend} o of clean rows")
@@ -657,6 +685,26 @@ def test_half_precision_dbias_is_that_of_the_rounded_output(dtype, seed):
     rounded = dbias(np.asarray(got.o, np.float64))
     assert abs(float(got.dbias.ravel()[0]) - rounded.item()) <= 1e-5 * abs(rounded.item())
     assert abs(rounded.item() - exact.item()) > tolerance(dtype) * abs(exact.item()), "the rounding alone exceeds the tolerance"
+
+
+# Found by test_matches_reference (thorough profile): float16, window (0, 0), dropout 0.9
+# (with a bias, ALiBi and broadcast dropout, which do not matter): dq 5.8e-3 > 2e-3. Every row
+# sees one key (P = 1) and dropout scales the kept outputs by 10: delta = dO . round(10 v)
+# differs from dP = dO . 10 v by the rounding, and dS = P (dP - delta) is nothing else.
+# float32_residual=True brings dq back to 2.9e-4.
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("float32_residual", [
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
+        "precision: bf16/fp16 dq, dk of one-key rows with dropout 0.9 are the rounding residue of "
+        "delta = rowsum(dO * round(O)); float32_residual=True fixes it"))),
+    True,
+], ids=["default", "float32_residual"])
+def test_half_precision_high_dropout_peaked_rows(dtype, float32_residual):
+    shape = Shape(1, 16, 16, 1, 1, 16)
+    options = dict(window=(0, 0), dropout_rate=HIGH_DROPOUT, dropout_rng=jax.random.key(0))
+    case = Case(shape, dtype, 0, 1.0, dict(options, float32_residual=float32_residual), None)
+    x = make_inputs(case)
+    assert_matches(flash_outputs(x, case.options, "triton"), reference_outputs(x, case.options), dtype)
 
 
 @pytest.mark.xfail(strict=True, reason=(
