@@ -756,9 +756,6 @@ def test_row_of_minus_inf_logits_is_nan_like_jax_nn(backend):
 # row's tiles meet turns NaN. The "xla" backend (where-masking) outputs 0 on padded rows and
 # keeps dv finite. (dk is NaN in both backends, as in jax.nn: the gradient of a where-masked
 # logit is 0, times the NaN q.)
-_PADDING_NAN = pytest.mark.xfail(strict=True, reason=(
-    "bug (Triton): NaN logits on a row past q_lengths give that row a NaN output (and, from a NaN q, "
-    "NaN dv for every key); the docstring promises 0 output and 0 gradient for such rows"))
 
 
 def _padding_case(backend, where):
@@ -780,7 +777,7 @@ def _padding_case(backend, where):
     return run(pq, pk), run(q, k)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=_PADDING_NAN), "xla"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
 @pytest.mark.parametrize("where", ["q-nan", "q-inf", "k-nan"])
 def test_padding_query_row_with_nan(backend, where):
     """The padded rows output 0 with lse -inf; the real rows are those of the clean inputs
@@ -794,7 +791,7 @@ def test_padding_query_row_with_nan(backend, where):
         np.testing.assert_array_equal(o, want_o, err_msg="output")
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=_PADDING_NAN), "xla"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
 @pytest.mark.parametrize("where", ["q-nan", "q-inf"])
 def test_padding_query_row_with_nan_gradients(backend, where):
     """A NaN/inf in a padded row's q: dq of the real rows and dv are those of the clean inputs."""

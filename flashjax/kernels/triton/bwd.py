@@ -66,6 +66,11 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     else:
         p_dropped = p
     ds = p * (dp - delta)
+    if kv_length is not None:
+        # With lengths, padded query rows (lse2 = +inf) are computed too; P = exp2(S - inf)
+        # is 0 only when S is finite, and their q may hold anything.
+        live = lse != jnp.inf
+        p_dropped, ds = jnp.where(live, p_dropped, 0.0), jnp.where(live, ds, 0.0)
     return p_dropped, ds, chain
 
 

@@ -85,7 +85,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
     if scorer.dropout_rate:
         inv_l = inv_l * scorer.keep_scale
-    o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
+    out = acc * inv_l[:, None]
+    if x.ranges is not None:
+        # A padded row may hold NaN (its q, or a key it was not masked from): 0 * NaN is NaN.
+        out = jnp.where(empty[:, None], 0.0, out)
+    o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
