@@ -90,6 +90,42 @@ class Inputs(NamedTuple):
     dlse: jax.Array
 
 
+class Outputs(NamedTuple):
+    """o [B, Tq, H, D], lse [B, H, Tq], dq, dk, dv and dbias (None without a bias)."""
+
+    o: jax.Array
+    lse: jax.Array
+    dq: jax.Array
+    dk: jax.Array
+    dv: jax.Array
+    dbias: jax.Array | None
+
+
+def check_rows_without_keys(got: Outputs, want: Outputs, what: str = ""):
+    """Rows that see no key (reference lse = -inf): o = 0, lse = -inf and dq = 0 exactly;
+    keys no query sees: dk = dv = 0; bias rows empty in every row they broadcast over: dbias = 0."""
+    empty = np.asarray(want.lse) == -np.inf  # [B, H, Tq]
+    np.testing.assert_array_equal(np.asarray(got.lse)[empty], -np.inf, err_msg=f"{what} lse of rows without keys")
+    rows = lambda x: np.moveaxis(np.asarray(x, np.float32), 2, 1)[empty]  # [B, T, H, D] -> [n_empty, D]
+    for name in ("o", "dq"):
+        np.testing.assert_array_equal(rows(getattr(got, name)), 0.0, err_msg=f"{what} {name} of rows without keys")
+    unseen = np.all(np.asarray(want.dk) == 0, axis=-1) & np.all(np.asarray(want.dv) == 0, axis=-1)
+    for name in ("dk", "dv"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name), np.float32)[unseen], 0.0,
+                                      err_msg=f"{what} {name} of keys no query sees")
+    if want.dbias is not None:
+        dbias = np.asarray(got.dbias, np.float32)
+        dbias = dbias.reshape((1,) * (4 - dbias.ndim) + dbias.shape)
+        if dbias.shape[2] > 1:
+            empty_all = empty
+            for axis in (0, 1):
+                if dbias.shape[axis] == 1:
+                    empty_all = empty_all.all(axis=axis, keepdims=True)
+            empty_all = np.broadcast_to(empty_all[..., None], empty_all.shape + (dbias.shape[3],))
+            np.testing.assert_array_equal(dbias[np.broadcast_to(empty_all, dbias.shape)], 0.0,
+                                          err_msg=f"{what} dbias of rows without keys")
+
+
 class Result(NamedTuple):
     """Output, logsumexp and the three input gradients of one attention call."""
 
