@@ -688,24 +688,22 @@ def test_half_precision_high_dropout_peaked_rows(dtype, float32_residual):
     assert_matches(flash_outputs(x, case.options, "triton"), reference_outputs(x, case.options), dtype)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "differs from jax.nn: a row of -inf logits from an infinite input is a row without keys (0), NaN in jax.nn"))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_row_of_minus_inf_logits_is_nan_like_jax_nn(backend):
+def test_row_of_minus_inf_logits_is_a_row_without_keys(backend):
     """q[0, 0, 0, 0] = -inf and every k[..., 0] > 0: every logit of row 0 is -inf.
 
-    flashjax (both backends) treats the row as one without keys: output 0, lse -inf.
-    jax.nn.dot_product_attention outputs NaN (and, when some keys of the row are masked,
-    the mean of their values). Which one flashjax wants is a decision, not asserted
-    by the property test (it compares NaN rows only)."""
+    flashjax (both backends, as documented) treats the row as one without keys: output 0,
+    lse -inf, the other rows unaffected. jax.nn.dot_product_attention outputs NaN there."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, n, 1, 16)).astype(np.float32) for n in (4, 3, 3))
     k[..., 0] = np.abs(k[..., 0]) + 0.1
     q[0, 0, 0, 0] = -np.inf
-    want = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla"))
-    assert np.isnan(want[0, 0]).all() and np.isfinite(want[0, 1:]).all()
-    got = np.asarray(flashjax.flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend=backend))
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    nn = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla"))
+    assert np.isnan(nn[0, 0]).all() and np.isfinite(nn[0, 1:]).all()
+    o, lse = flashjax.flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend=backend, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(o)[0, 0], 0.0)
+    assert np.asarray(lse)[0, 0, 0] == -np.inf
+    np.testing.assert_allclose(np.asarray(o)[0, 1:], nn[0, 1:], rtol=2e-5, atol=2e-6)
 
 
 # Found by test_nan_and_inf_rows_match_jax_nn (thorough profile): NaN logits on a row past
