@@ -79,25 +79,26 @@ def score_sized(shapes, q_lens, k_lens) -> list[tuple[int, ...]]:
 
 
 CASES = [
-    # (heads, kv_heads, head_dim, causal, window)
-    pytest.param(4, 4, 64, False, None, id="d64"),
-    pytest.param(4, 4, 64, True, None, id="d64-causal"),
-    pytest.param(4, 4, 128, False, None, id="d128"),
-    pytest.param(8, 2, 128, True, None, id="d128-causal-gqa4"),
-    pytest.param(4, 1, 64, False, None, id="d64-mqa"),
-    pytest.param(4, 2, 64, False, (256, 256), id="d64-window"),
-    pytest.param(4, 2, 128, True, (256, None), id="d128-window-causal"),
-    pytest.param(2, 2, 256, True, None, id="d256-causal"),
+    # (heads, kv_heads, head_dim, causal, window, float32_residual)
+    pytest.param(4, 4, 64, False, None, False, id="d64"),
+    pytest.param(4, 4, 64, True, None, False, id="d64-causal"),
+    pytest.param(4, 4, 128, False, None, False, id="d128"),
+    pytest.param(8, 2, 128, True, None, False, id="d128-causal-gqa4"),
+    pytest.param(4, 1, 64, False, None, False, id="d64-mqa"),
+    pytest.param(4, 2, 64, False, (256, 256), False, id="d64-window"),
+    pytest.param(4, 2, 128, True, (256, None), False, id="d128-window-causal"),
+    pytest.param(2, 2, 256, True, None, False, id="d256-causal"),
+    pytest.param(4, 2, 128, True, None, True, id="d128-causal-float32-residual"),
 ]
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,causal,window", CASES)
-def test_lowers_to_triton_for_sm90(fake_h100, heads, kv_heads, head_dim, causal, window):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,causal,window,float32_residual", CASES)
+def test_lowers_to_triton_for_sm90(fake_h100, heads, kv_heads, head_dim, causal, window, float32_residual):
     dtype = jnp.bfloat16
     config = TritonConfig.default(head_dim, dtype)
     params = AttentionParams(
         scale=head_dim**-0.5, causal=causal, window=window, backend="triton", config=config,
-        backward_backend="triton", backward_config=config, interpret=False,
+        backward_backend="triton", backward_config=config, interpret=False, float32_residual=float32_residual,
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
