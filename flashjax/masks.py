@@ -28,6 +28,18 @@ from jax import lax
 __all__ = ["MaskSpec", "BlockRange"]
 
 
+# Bias values at or below this mask their key, as -inf does. Flax masks with a bias of
+# finfo.min; kept finite, such a logit would overflow to -inf in the kernels' base-2
+# logits (x log2(e) > 1) or swamp the row's logsumexp, so every backend reads it as a
+# mask: a row of them outputs 0 with lse -inf and zero gradients.
+MASKING_BIAS = -float(jnp.finfo(jnp.float32).max) / 2
+
+
+def bias_logits(bias):
+    """`bias` with the values at or below MASKING_BIAS replaced by -inf."""
+    return jnp.where(bias <= MASKING_BIAS, -jnp.inf, bias)
+
+
 class BlockRange(NamedTuple):
     """Tiles [lo, hi) are visited; [full_lo, full_hi) of them need no mask."""
 

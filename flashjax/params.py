@@ -50,20 +50,6 @@ class Extras(NamedTuple):
     block_mask: Any = None
 
 
-# Bias values at or below this mask their key, as -inf does. Flax masks with a bias of
-# finfo.min; kept finite, such a logit would overflow to -inf in the kernels' base-2
-# logits (x log2(e) > 1) or swamp the row's logsumexp, so every backend reads it as a
-# mask: a row of them outputs 0 with lse -inf and zero gradients.
-MASKING_BIAS = -float(np.finfo(np.float32).max) / 2
-
-
-def bias_logits(bias):
-    """`bias` with the values at or below MASKING_BIAS replaced by -inf."""
-    import jax.numpy as jnp
-
-    return jnp.where(bias <= MASKING_BIAS, -jnp.inf, bias)
-
-
 # The names of the optional arrays a call may use, as `Call.arrays` lists them.
 ARRAY_OPTIONS = ("bias", "mask", "segment_ids", "q_lengths", "kv_lengths", "alibi_slopes", "sinks")
 # The user functions and their block mask, as `Call.options` names them.

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import dropout, flex, masks
-from flashjax.params import bias_logits
 
 __all__ = ["attention", "logits_mask", "scores"]
 
@@ -94,7 +93,7 @@ def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, sc
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
-        logits = logits + bias_logits(bias.astype(dtype))
+        logits = logits + masks.bias_logits(bias.astype(dtype))
     if alibi_slopes is not None:
         positions = jnp.arange(seq_q) if rows is None else rows
         distance = jnp.abs(positions[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
@@ -136,7 +135,7 @@ def attention(
       causal: query i attends keys j <= i + Tk - Tq (bottom-right aligned).
       scale: logit scale, default 1/sqrt(D).
       bias: additive bias broadcastable to [B, H, Tq, Tk], added after the softcap;
-        -inf and values at or below `flashjax.params.MASKING_BIAS` (-1.7e38, e.g.
+        -inf and values at or below `flashjax.masks.MASKING_BIAS` (-1.7e38, e.g.
         finfo.min) mask the key.
       mask: boolean, broadcastable to [B, H, Tq, Tk]; True = attend.
       segment_ids: int [B, T] (self-attention) or a pair ([B, Tq], [B, Tk]).

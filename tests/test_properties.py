@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 
 import flashjax
 from flashjax import reference
-from flashjax.params import MASKING_BIAS
+from flashjax.masks import MASKING_BIAS
 from flashjax.kernels.triton import KernelConfig, TritonConfig
 
 # ---- hypothesis profiles ---------------------------------------------------------------------

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashjax import dropout
+from flashjax import dropout, masks
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
-from flashjax.params import bias_logits
 
 
 def dot(a, b, *, trans_b: bool = False, precision=None):
@@ -97,7 +96,7 @@ class Scorer:
             t = None
             s = qk * (self.scale * LOG2E)
         if bias is not None:
-            s = s + bias_logits(bias.astype(jnp.float32)) * LOG2E
+            s = s + masks.bias_logits(bias.astype(jnp.float32)) * LOG2E
         if slope is not None:
             distance = jnp.abs(rows + self.spec.offset - cols).astype(jnp.float32)
             s = s - (slope * LOG2E) * distance
@@ -162,8 +161,6 @@ class QueryTile(NamedTuple):
 def query_tile(scorer: "Scorer", x, *, block_q: int, heads: int) -> QueryTile:
     """The query tile of this program on a grid of (query tile, batch, head); `x` holds the
     kernel's optional input refs (`params.Extras`)."""
-    from flashjax import masks
-
     q_block = pl.num_programs(0) - 1 - pl.program_id(0)
     batch, head = pl.program_id(1), pl.program_id(2)
     return QueryTile(
