@@ -6,7 +6,7 @@ Mosaic GPU on Hopper), and tests/test_gpu.py adds realistic bf16 sizes. Tests th
 only make sense on the CPU (multi-host-device rings, notebooks, the CLI) are left out.
 The groups fit one 10-minute device call each on an H100 with 8 workers.
 
-    python benchmarks/gpu_check.py [--group mosaic|triton|flax|all] [-n WORKERS] [extra pytest args]
+    python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|all] [-n WORKERS] [extra pytest args]
 
 Each pytest worker gets a slice of GPU memory instead of JAX's default 75%; a test that
 hangs is stopped after --timeout seconds (its worker restarts) instead of stalling the run.
@@ -26,6 +26,7 @@ GROUPS = {
     "triton": ["tests/test_gpu.py", "tests/test_edge_cases.py", "tests/test_variants.py", "tests/test_dropout.py"],
     "grads": ["tests/test_attention.py", "tests/test_grad.py"],
     "flax": ["tests/test_flax.py"],
+    "decode": ["tests/test_decode.py", "tests/test_flex.py"],
 }
 
 
@@ -40,7 +41,10 @@ def main(argv=None) -> int:
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / max(1, args.workers):.2f}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests, *extra]
+    # The reference's matmuls need no autotuning to be exact, and XLA's autotuner costs
+    # seconds per compiled shape (every test compiles its own); the kernels are unaffected.
+    env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), "--xla_gpu_autotune_level=0"]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--durations=15", *tests, *extra]
     if args.workers > 1:
         cmd[3:3] = ["-n", str(args.workers)]
     if _has_plugin("pytest_timeout"):
