@@ -68,10 +68,19 @@ def test_write_entry_is_what_default_reads(mosaic_table):
     assert set(json.loads(mosaic_table.read_text())["nvidia-h100-80gb-hbm3"]) == {"64", "128"}
 
 
-def test_triton_default_halves_float32_tiles():
-    bf16 = TritonConfig.default(128, jnp.bfloat16, device_kind="")
-    f32 = TritonConfig.default(128, jnp.float32, device_kind="")
-    assert f32.fwd.block_q == bf16.fwd.block_q // 2 and f32.dkv.block_k == bf16.dkv.block_k // 2
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_triton_default_halves_float32_tiles(head_dim):
+    """float32 tiles are half the bf16 ones at every head dim: their FMA dots unroll per tile,
+    and the bf16 tiling at head dim 64 (128 x 128) took minutes to compile on an H100."""
+    bf16 = TritonConfig.default(head_dim, jnp.bfloat16, device_kind="")
+    f32 = TritonConfig.default(head_dim, jnp.float32, device_kind="")
+    for got, base in [(f32.fwd, bf16.fwd), (f32.dkv, bf16.dkv), (f32.dq, bf16.dq)]:
+        assert (got.block_q, got.block_k) == (max(16, base.block_q // 2), max(16, base.block_k // 2))
+        assert got.block_q * got.block_k <= 64 * 64
+
+
+
+def test_triton_default_refuses_large_head_dims():
     with pytest.raises(ValueError, match="head_dim"):
         TritonConfig.default(512, jnp.bfloat16, device_kind="")
 

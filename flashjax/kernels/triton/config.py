@@ -108,8 +108,10 @@ class TritonConfig:
             device_kind = tuning.first_gpu_kind()
         entry = tuning.entry(TUNED, padded, device_kind)
         fwd, dkv, dq = (KernelConfig(**entry[name]) for name in ("fwd", "dkv", "dq"))
-        if np.dtype(dtype) == np.float32 and padded >= 128:
-            # float32 tiles take twice the registers and shared memory of bf16 ones.
+        if np.dtype(dtype) == np.float32:
+            # float32 tiles take twice the registers and shared memory of bf16 ones, and
+            # their full-precision dots are FMA loops that Triton unrolls over the whole
+            # tile: at 128 x 128 (head dim 64) one kernel took minutes to compile on an H100.
             halve = lambda c: dataclasses.replace(c, block_q=max(16, c.block_q // 2), block_k=max(16, c.block_k // 2))
             fwd, dkv, dq = halve(fwd), halve(dkv), halve(dq)
         return cls(fwd=fwd, dkv=dkv, dq=dq)
