@@ -87,10 +87,11 @@ class Block(nnx.Module):
         self.mlp_in = nnx.Linear(d, 4 * d, dtype=dtype, use_bias=False, rngs=rngs)
         self.mlp_out = nnx.Linear(4 * d, d, dtype=dtype, use_bias=False, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, decode: bool = False):
+        """``x`` ``[batch, seq, d_model]``; ``decode``: ``seq`` new positions through the KV cache."""
         h = self.norm1(x)
-        if self.attention_kind == "flash":
-            x = x + self.attention(h)
+        if self.attention_kind == "flash" or decode:
+            x = x + self.attention(h, decode=decode)
         else:
             x = x + self.attention(h, is_causal=True)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
@@ -107,12 +108,21 @@ class DecoderLM(nnx.Module):
         self.norm = nnx.RMSNorm(args.d_model, dtype=dtype, rngs=rngs)
         self.unembed = nnx.Linear(args.d_model, args.vocab, dtype=dtype, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens):
-        """int ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""
-        x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))[None]
+    def __call__(self, tokens, start=0, decode: bool = False):
+        """int ``[batch, seq]`` at positions ``start ...`` -> float32 logits ``[batch, seq, vocab]``.
+
+        ``decode``: the tokens continue the sequence held in the KV caches (``init_cache``
+        first; ``start`` is the number of tokens already there).
+        """
+        x = self.embed(tokens) + self.positions(start + jnp.arange(tokens.shape[1]))[None]
         for block in self.blocks:
-            x = block(x)
+            x = block(x, decode=decode)
         return self.unembed(self.norm(x)).astype(jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int, dtype):
+        """Empty KV caches for ``batch`` sequences of up to ``max_len`` tokens, in ``dtype``."""
+        for block in self.blocks:
+            block.attention.init_cache((batch, max_len, self.embed.features), dtype=dtype)
 
 
 def _dtype(name: str):

@@ -294,6 +294,51 @@ def test_nnx_decode(key, assert_close):
     assert_close(outs["gqa"], full, jnp.float32, "gqa decode vs causal", tol=OUT_TOL)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16], ids=["f32-cache", "bf16-cache"])
+def test_nnx_decode_prefill_chunk_then_tokens(cache_dtype, key, assert_close, monkeypatch):
+    """A prompt chunk fed through the cache at once, then one token per step, with two batch
+    dims and GQA: equal to the causal full-sequence output. The steps are
+    `flashjax.decode_attention` calls (the split-KV path), on the batch dims flattened."""
+    import flashjax.decode as decode_module
+
+    shapes, real = [], decode_module.decode_attention
+
+    def spy(q, *args, **kwargs):
+        shapes.append((q.shape, q.dtype))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(decode_module, "decode_attention", spy)
+    x = jax.random.normal(key, (2, 3, SEQ, FEATURES))
+    m = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=2, causal=True,
+                                       rngs=nnx.Rngs(0))
+    full = m(x)
+    m.init_cache(x.shape, dtype=cache_dtype)
+    prompt = 5
+    outs = [m(x[..., :prompt, :], decode=True)]
+    step = nnx.jit(lambda m, xt: m(xt, decode=True))
+    outs += [step(m, x[..., t:t + 1, :]) for t in range(prompt, SEQ)]
+    got = jnp.concatenate(outs, axis=-2)
+    # A bfloat16 cache rounds K/V (and the query, cast to the cache's dtype) to bf16.
+    tol = OUT_TOL if cache_dtype == jnp.float32 else 1.6e-2
+    assert_close(got, full, jnp.float32, "prefill + decode vs causal", tol=tol)
+    assert got.dtype == jnp.float32
+    assert shapes[0] == ((6, prompt, HEADS, FEATURES // HEADS), jnp.dtype(cache_dtype))
+    assert shapes[-1][0] == (6, 1, HEADS, FEATURES // HEADS)
+    assert int(m.cache_index[...]) == SEQ
+    with pytest.raises(ValueError, match="holds 8 positions"):
+        m(x[..., :1, :], decode=True)
+
+
+def test_decode_with_a_mask_feeds_one_position(key):
+    """A mask (or bias, or dropout) in decode mode goes through flash_attention with the
+    filled length, one position per call; a chunk with a mask is refused, not misaligned."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    m = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, rngs=nnx.Rngs(0))
+    m.init_cache(x.shape)
+    with pytest.raises(ValueError, match="one position per call"):
+        m(x[:, :3], decode=True, mask=jnp.ones((2, 1, 3, SEQ), bool))
+
+
 # ---- dropout, dtype, errors -----------------------------------------------------------
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_nnx_dropout(broadcast, key):

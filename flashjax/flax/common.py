@@ -1,11 +1,12 @@
-"""The call flow shared by the linen and nnx modules: head sizes, the KV-cache step and the attention call."""
+"""The call flow shared by the linen and nnx modules: head sizes, the KV cache, the decode step and the attention call."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["head_dim_of", "update_cache", "default_inputs", "attend"]
+__all__ = ["head_dim_of", "update_cache", "decode_step", "default_inputs", "attend"]
 
 
 def head_dim_of(num_heads: int, kv_heads: int, head_dim: int | None, qkv_features: int) -> int:
@@ -20,22 +21,64 @@ def head_dim_of(num_heads: int, kv_heads: int, head_dim: int | None, qkv_feature
 
 
 def update_cache(cached_key, cached_value, index, key, value):
-    """Write one step's K/V at ``index`` into the caches ``[batch..., max_len, kv_heads, head_dim]``.
+    """Write ``steps`` new positions' K/V at ``index`` into the caches ``[batch..., max_len, kv_heads, head_dim]``.
 
-    Returns the updated caches and the number of filled slots (``index + 1``).
+    ``key``/``value``: ``[batch..., steps, kv_heads, head_dim]`` (one position per decode
+    step; a prompt chunk at once for prefill). Returns the updated caches and the number of
+    filled slots (``index + steps``). A concrete ``index + steps`` past ``max_len`` raises;
+    under ``jit`` the write is clamped into the cache by XLA (keep ``index + steps <=
+    max_len``).
     """
-    *batch_dims, _, kv_heads, head_dim = cached_key.shape
-    expected = tuple(batch_dims) + (1, kv_heads, head_dim)
-    if key.shape != expected:
+    *batch_dims, max_len, kv_heads, head_dim = cached_key.shape
+    steps = key.shape[-3] if key.ndim >= 3 else 0
+    expected = (*batch_dims, steps, kv_heads, head_dim)
+    if key.shape != expected or value.shape != expected or steps < 1:
         raise ValueError(
-            f"decode feeds one position at a time: expected key/value of shape {expected} "
-            f"(from the cache {cached_key.shape}), got {key.shape}."
+            f"decode feeds new positions [batch..., steps, kv_heads, head_dim] = {expected} with steps >= 1 "
+            f"(from the cache {cached_key.shape}), got key {key.shape} and value {value.shape}."
         )
+    try:
+        filled = int(index) + steps
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        filled = None
+    if filled is not None and filled > max_len:
+        raise ValueError(f"the KV cache holds {max_len} positions: {int(index)} filled + {steps} new do not fit.")
     zero = jnp.zeros((), index.dtype)
     start = (zero,) * len(batch_dims) + (index, zero, zero)
     key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), start)
     value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), start)
-    return key, value, index + 1
+    return key, value, index + steps
+
+
+def decode_step(module, query, cached_key, cached_value, kv_length):
+    """The queries of a decode step (or a prefill chunk) over the filled part of the cache,
+    through `flashjax.decode_attention` (split-KV: the keys of each sequence spread over
+    many programs, each K/V byte read once per kv group).
+
+    ``query`` ``[batch..., steps, heads, head_dim]``; caches ``[batch..., max_len, kv_heads,
+    head_dim]`` already holding this step's K/V; ``kv_length``: filled slots (a scalar).
+    Query ``i`` sits at position ``kv_length - steps + i``; with ``module.causal`` it sees
+    the keys up to its own position, without it every filled key. The query is cast to
+    the cache's dtype (the cache is read in place, never converted) and the output to
+    ``module.dtype`` (default: the query's dtype).
+
+    Returns:
+      ``[batch..., steps, heads, head_dim]``.
+    """
+    from flashjax import backends
+    from flashjax.decode import decode_attention
+
+    *batch_dims, steps, heads, head_dim = query.shape
+    out_dtype = module.dtype or query.dtype
+    q = query.reshape(-1, steps, heads, head_dim).astype(cached_key.dtype)
+    k = cached_key.reshape(-1, *cached_key.shape[-3:])
+    v = cached_value.reshape(-1, *cached_value.shape[-3:])
+    lengths = jnp.broadcast_to(jnp.asarray(kv_length, jnp.int32), (q.shape[0],))
+    # A backend named for training without a decode path (the Hopper kernels) leaves the
+    # choice to auto, so that one module serves both.
+    backend = module.backend if module.backend == "auto" or backends.get(module.backend).decode else "auto"
+    out = decode_attention(q, k, v, lengths, causal=bool(module.causal), backend=backend)
+    return out.reshape(*batch_dims, steps, heads, head_dim).astype(out_dtype)
 
 
 def default_inputs(inputs_q, inputs_k, inputs_v):
@@ -48,9 +91,11 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     """Attention of projected ``query`` [batch..., q_len, heads, head_dim] over ``key``/``value``,
     with the module's options (causal, dropout, dtype, backend, config).
 
-    ``cache``: ``(cached_key, cached_value, index)`` in decode mode: this step's K/V are
-    written at ``index`` and the query attends the filled part of the cache (kv_length
-    bounds the keys, so the kernels skip the empty slots instead of reading a mask).
+    ``cache``: ``(cached_key, cached_value, index)`` in decode mode: this step's K/V
+    (``q_len`` positions) are written at ``index`` and the queries attend the filled part
+    of the cache. Without a mask, bias or dropout this is `decode_step`
+    (`flashjax.decode_attention`); with one of them it is `flashjax.flash_attention` with
+    ``kv_length`` bounding the keys, one position per step.
 
     Returns:
       (output [batch..., q_len, heads, head_dim], the updated cache or None).
@@ -61,6 +106,13 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     if cache is not None:
         key, value, kv_length = update_cache(*cache, key, value)
         new_cache = (key, value, kv_length)
+        if mask is None and bias is None and deterministic:
+            return decode_step(module, query, key, value, kv_length), new_cache
+        if query.shape[-3] != 1:
+            raise ValueError(
+                "decode with a mask, bias or dropout feeds one position per call "
+                f"(got {query.shape[-3]}); without them a prompt chunk can be fed at once."
+            )
         causal = False  # one query against the filled part of the cache
     out = _attention_fn(
         query, key, value, bias=bias, mask=mask, broadcast_dropout=module.broadcast_dropout,

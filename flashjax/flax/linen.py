@@ -32,8 +32,10 @@ class FlashMultiHeadAttention(nn.Module):
 
     Decoding (as with Flax): ``decode=True``; ``init`` with a full-length input
     creates the cache (``cached_key``/``cached_value`` hold ``num_kv_heads``
-    heads), then ``apply(..., mutable=["cache"])`` one token ``[batch, 1,
-    features]`` at a time.
+    heads), then ``apply(..., mutable=["cache"])`` with new positions ``[batch,
+    steps, features]``: one token per step, or a prompt chunk at once. Without a
+    mask, bias or dropout a step is `flashjax.decode_attention` (split-KV over the
+    cache, read in place in its dtype); with one of them it is one position per call.
 
     Attributes:
       num_heads: query heads.

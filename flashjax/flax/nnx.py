@@ -28,7 +28,7 @@ class FlashMultiHeadAttention(nnx.Module):
       y = layer(jnp.ones((4, 256, 512)))               # [4, 256, 512]
 
       layer.init_cache((4, 256, 512))                  # decoding: the cache holds kv heads
-      y_t = layer(jnp.ones((4, 1, 512)), decode=True)  # one token at a time
+      y_t = layer(jnp.ones((4, 1, 512)), decode=True)  # one token (or a prompt chunk) per call
 
     Args:
       num_heads: query heads.
@@ -132,7 +132,11 @@ class FlashMultiHeadAttention(nnx.Module):
           bias: additive, broadcastable to ``[batch..., heads, q_len, kv_len]``.
           deterministic: disables dropout; overrides the attribute.
           rngs: `nnx.Rngs` or a stream for dropout; defaults to ``self.rngs``.
-          decode: one token ``[batch..., 1, features]`` against the KV cache
+          decode: new positions ``[batch..., steps, features]`` through the KV cache
+            (one token per step, or a prompt chunk at once; ``init_cache`` first; a mask,
+            bias or dropout allows one position per call). Without a mask, bias or
+            dropout this is `flashjax.decode_attention` (split-KV over the cache, read in
+            place in its dtype: ``init_cache(..., dtype=)`` with the compute dtype);
             (``init_cache`` first); overrides the attribute.
 
         Returns:
