@@ -17,7 +17,9 @@ q_len = 1 the same as none). Cells: batch 1, 8, 64 x context 4k, 32k, 128k x cac
 Implementations (a peer that cannot run a cell is recorded "unsupported", one that is not
 installed "unavailable"):
 
-* ``flashjax``: `flashjax.decode_attention` (auto: the Triton split-KV kernel);
+* ``flashjax``: `flashjax.decode_attention` (auto: the Triton split-KV kernel); with
+  ``--flashjax-configs`` also ``flashjax[block_k=64,...]``, the kernel with a `flashjax.DecodeConfig`
+  (to tune its tiling);
 * ``xla``: ``jax.nn.dot_product_attention(implementation="xla", key_value_seq_lengths=)`` on
   the contiguous cache; `decode_attention(backend="xla")` (pages gathered, float8
   dequantised, in float32) on the others, left unrun ("oom") past ~40 GB;
@@ -58,6 +60,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashjax.benchmark import (  # noqa: E402  (the protocol: flashjax/benchmark.py)
     TOLERANCE,
+    config_overrides,
     device_name,
     is_oom,
     load_results,
@@ -201,13 +204,16 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int = 1):
 
     scale = 1.0 / math.sqrt(cell.head_dim)
     contiguous = cell.cache == "contiguous"
-    def decode(p: Problem, backend: str = "auto"):
+    def decode(p: Problem, backend: str = "auto", config=None):
         c = p.cache
         return flashjax.decode_attention(p.q, c.k, c.v, c.lengths, page_table=c.page_table, k_scale=c.k_scale,
-                                         v_scale=c.v_scale, scale=scale, backend=backend)
+                                         v_scale=c.v_scale, scale=scale, backend=backend, config=config)
 
     if cell.impl == "flashjax":
         return decode
+    if cell.impl.startswith("flashjax["):  # flashjax[field=value,...]: a DecodeConfig of the Triton kernel
+        config = config_overrides(flashjax.DecodeConfig(), cell.impl[len("flashjax["):-1])
+        return lambda p: decode(p, config=config)
     if cell.impl == "xla":
         if contiguous:
             return lambda p: jax.nn.dot_product_attention(
@@ -315,6 +321,7 @@ def table(entries: list[dict], hbm: float | None) -> str:
     if not entries:
         return "(no cells)"
     impls = [i for i in IMPLS if any(e["impl"] == i for e in entries)]
+    impls += sorted({e["impl"] for e in entries} - set(IMPLS))  # flashjax[config] variants
     by_key = {(e["cache"], e["batch"], e["context"], e["impl"]): e for e in entries}
     rows = sorted({(e["cache"], e["batch"], e["context"]) for e in entries},
                   key=lambda r: (CACHES.index(r[0]) if r[0] in CACHES else 9, r[1], r[2]))
@@ -343,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="e.g. 4k,32k,128k")
     p.add_argument("--caches", default=",".join(CACHES), help=f"subset of {','.join(CACHES)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--flashjax-configs", default=None,
+                   help="also run flashjax with these DecodeConfigs, ';'-separated field=value lists, "
+                        "e.g. 'block_k=64;block_k=256,num_stages=3' (columns flashjax[...])")
     p.add_argument("--q-len", type=int, default=1, help="new queries per sequence (1: decoding)")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="keys per page of the paged caches")
     p.add_argument("--fa3-num-splits", default="1,2,4,8,16,32",
@@ -367,6 +377,7 @@ def plan(args) -> list[DecodeCell]:
         shape = dict(page_size=args.page_size)
     caches = parse_list(args.caches, CACHES, "cache")
     impls = parse_list(args.impls, IMPLS, "implementation")
+    impls += [f"flashjax[{spec.strip()}]" for spec in (args.flashjax_configs or "").split(";") if spec.strip()]
     page_size = shape.get("page_size", PAGE_SIZE)
     bad = [t for t in contexts if t % page_size]
     if bad and set(caches) - {"contiguous"}:

@@ -13,7 +13,7 @@ from flashjax.api import explain, flash_attention
 from flashjax.decode import decode_attention
 from flashjax.flex import BlockMask, block_mask
 from flashjax.kernels.mosaic.config import MosaicConfig
-from flashjax.kernels.triton.config import KernelConfig, TritonConfig
+from flashjax.kernels.triton.config import DecodeConfig, KernelConfig, TritonConfig
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
 from flashjax.sharding import sharded_flash_attention
 
@@ -25,6 +25,7 @@ __all__ = [
     "block_mask",
     "BlockMask",
     "TritonConfig",
+    "DecodeConfig",
     "KernelConfig",
     "MosaicConfig",
     "sharded_flash_attention",

@@ -43,11 +43,13 @@ class Decoder:
       run: ``run(q, cache: params.KVCache, params: params.DecodeParams) -> (o, lse)``:
         o [B, q_len, H, D] in q's dtype, lse [B, H, q_len] (natural log, float32).
       declines: like `Backend.declines`: why ``auto`` passes it by although it could.
+      config_type: the type of `decode_attention`'s ``config=`` for it (None: it takes none).
     """
 
     supports: Callable[[DecodeCall], list[str]]
     run: Callable
     declines: Callable[[DecodeCall], list[str]] = lambda call: []
+    config_type: type | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +208,13 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
                   ((chosen.name, tuple(own)),) + backward_passed)
 
 
-def choose_decode(call: DecodeCall, backend: str = "auto") -> Choice:
+def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -> Choice:
     """Picks the backend of a decode call (forward only: the Choice's backward fields are empty).
 
+    ``config``: None, or a backend's decode config, which selects that backend (as in `choose`).
+
     Raises:
-      ValueError: unknown backend name.
+      ValueError: unknown backend name, or a config of another backend than the named one.
       NotImplementedError: the named backend cannot decode the call (its reasons listed).
     """
 
@@ -219,6 +223,15 @@ def choose_decode(call: DecodeCall, backend: str = "auto") -> Choice:
             return ["no decode path"]
         return b.decode.supports(call) + (b.decode.declines(call) if auto else [])
 
+    if config is not None:
+        typed = [n for n in names() if get(n).decode is not None and get(n).decode.config_type is not None]
+        owner = next((n for n in typed if isinstance(config, get(n).decode.config_type)), None)
+        if owner is None:
+            types = ", ".join(get(n).decode.config_type.__name__ for n in typed)
+            raise ValueError(f"decode config must be one of {types} or None, got {type(config).__name__}.")
+        if backend not in ("auto", owner):
+            raise ValueError(f"config is a {type(config).__name__}, the decode config of backend {owner!r}, not of {backend!r}.")
+        backend = owner
     if backend != "auto":
         reasons = reasons_of(get(backend), auto=False)
         if reasons:

@@ -31,6 +31,7 @@ def decode_attention(
     k_scale=None,
     v_scale=None,
     num_splits: int | None = None,
+    config=None,
 ):
     """Attention of a few new queries per sequence over a KV cache, read in place.
 
@@ -94,6 +95,9 @@ def decode_attention(
       num_splits: parts each sequence's keys are split into (a static int), ``None`` to
         choose from the batch, kv heads, cache length and the GPU's SM count
         (`flashjax.kernels.triton.decode.num_splits`). The xla backend ignores it.
+      config: the decode kernel's tiling, `flashjax.DecodeConfig` (``block_k``,
+        ``num_warps``, ``num_stages``), which selects the Triton backend; ``None`` for its
+        default.
 
     Returns:
       The output ``[batch, q_len, heads, head_dim]`` in q's dtype, and with
@@ -115,9 +119,9 @@ def decode_attention(
         q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,
         scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
     )
-    choice = backends.choose_decode(call, backend)
+    choice = backends.choose_decode(call, backend, config)
     with jax.named_scope("decode_attention"):
-        out, lse = _decode(q, cache, DecodeParams(**params, backend=choice.backend))
+        out, lse = _decode(q, cache, DecodeParams(**params, backend=choice.backend, config=config))
     return (out, lse) if return_lse else out
 
 

@@ -215,6 +215,7 @@ class DecodeParams:
       sm_count: streaming multiprocessors of the GPU (0 without one), for the splits.
       backend: the registered backend that runs the call.
       interpret: run the Pallas kernels in interpret mode (CPU).
+      config: the backend's decode config (a frozen dataclass), or None for its default.
     """
 
     scale: float
@@ -225,6 +226,7 @@ class DecodeParams:
     sm_count: int = 0
     backend: str = "triton"
     interpret: bool = False
+    config: Any = None
 
     def mask_spec(self, q_len: int) -> MaskSpec:
         """The mask with its offset 0: callers pass query rows as key positions (each

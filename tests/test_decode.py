@@ -25,7 +25,7 @@ import pytest
 import flashjax
 from flashjax import backends, reference
 from flashjax.kernels.triton import decode as triton_decode
-from flashjax.params import DecodeCall
+from flashjax.params import KVCache, DecodeCall
 
 from conftest import check_close, check_lse
 
@@ -107,10 +107,10 @@ def draw_q(rng, batch, q_len, heads, dtype):
     return jnp.asarray(rng.standard_normal((batch, q_len, heads, D), dtype=np.float32)).astype(dtype)
 
 
-def check(q, cache: Cache, lengths, *, backend="triton", num_splits=None, **options):
+def check(q, cache: Cache, lengths, *, backend="triton", num_splits=None, config=None, **options):
     got_o, got_lse = flashjax.decode_attention(
         q, cache.k, cache.v, jnp.asarray(lengths, jnp.int32), return_lse=True, backend=backend,
-        num_splits=num_splits, **cache.kwargs(), **options,
+        num_splits=num_splits, config=config, **cache.kwargs(), **options,
     )
     want_o, want_lse = oracle(q, cache, lengths, **options)
     assert got_o.dtype == q.dtype and got_o.shape == q.shape
@@ -184,6 +184,40 @@ def test_num_splits(rng, num_splits):
     (the long sequence meets 5 key tiles of 128, the short one 3)."""
     cache = make_cache(rng, 2, 1024, 2, F32, page_size=64)
     check(draw_q(rng, 2, 2, 4, F32), cache, [1000, 300], num_splits=num_splits, window=(600, None))
+
+
+@pytest.mark.parametrize(
+    "config,page_size",
+    [
+        pytest.param(flashjax.DecodeConfig(block_k=16, num_stages=3), 64, id="k16-slices-of-pages"),
+        pytest.param(flashjax.DecodeConfig(block_k=64, num_warps=8), 16, id="k64-gathers-4-pages"),
+        pytest.param(flashjax.DecodeConfig(block_k=32), None, id="k32-contiguous"),
+    ],
+)
+def test_decode_config(rng, config, page_size):
+    """A DecodeConfig tiles the kernel (tiles slicing pages, gathering several, or contiguous)
+    and the result is the same attention; it selects the Triton backend."""
+    cache = make_cache(rng, 2, 256, 2, BF16, page_size=page_size)
+    check(draw_q(rng, 2, 3, 4, BF16), cache, [256, 77], config=config, window=(90, None))
+    with pytest.raises(ValueError, match="decode config of backend 'triton', not of 'xla'"):
+        check(draw_q(rng, 2, 3, 4, BF16), cache, [256, 77], backend="xla", config=config)
+
+
+def test_decode_config_sets_the_tiling(rng):
+    cache = make_cache(rng, 2, 256, 2, BF16, page_size=16)
+    kv = KVCache(cache.k, cache.v, jnp.asarray([256, 77], jnp.int32), cache.page_table)
+    t = triton_decode.tiling(draw_q(rng, 2, 3, 4, BF16), kv, None, 0, flashjax.DecodeConfig(64, num_warps=8, num_stages=3))
+    assert (t.block_k, t.num_warps, t.num_stages, t.pages_per_tile) == (64, 8, 3, 4)
+    assert triton_decode.tiling(draw_q(rng, 2, 3, 4, BF16), kv, None, 0).block_k == 128
+
+
+def test_decode_config_fields_are_checked():
+    with pytest.raises(ValueError, match="block_k must be None or a power of two >= 16"):
+        flashjax.DecodeConfig(block_k=24)
+    with pytest.raises(ValueError, match="num_warps"):
+        flashjax.DecodeConfig(num_warps=3)
+    with pytest.raises(ValueError, match="decode config must be one of DecodeConfig"):
+        backends.choose_decode(_call(), config=flashjax.TritonConfig.default(64, BF16, device_kind=""))
 
 
 def test_xla_backend(rng):

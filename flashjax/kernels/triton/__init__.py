@@ -2,6 +2,6 @@
 GPU; Pallas interpret mode without one). `backend.BACKEND` is what the registry uses."""
 
 from flashjax.kernels.triton.backend import BACKEND
-from flashjax.kernels.triton.config import KernelConfig, TritonConfig
+from flashjax.kernels.triton.config import DecodeConfig, KernelConfig, TritonConfig
 
-__all__ = ["BACKEND", "KernelConfig", "TritonConfig"]
+__all__ = ["BACKEND", "DecodeConfig", "KernelConfig", "TritonConfig"]

@@ -19,7 +19,7 @@ from jax import lax
 from flashjax import backends, dropout, flex, masks, reference
 from flashjax.kernels import common
 from flashjax.kernels.triton import bwd as triton_bwd, decode as triton_decode, fwd as triton_fwd
-from flashjax.kernels.triton.config import MAX_HEAD_DIM, TritonConfig
+from flashjax.kernels.triton.config import MAX_HEAD_DIM, DecodeConfig, TritonConfig
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import AttentionParams, Call, Extras
 
@@ -310,5 +310,6 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
-    decode=backends.Decoder(supports=triton_decode.supports, run=triton_decode.decode, declines=declines),
+    decode=backends.Decoder(supports=triton_decode.supports, run=triton_decode.decode, declines=declines,
+                            config_type=DecodeConfig),
 )

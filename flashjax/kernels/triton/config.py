@@ -9,7 +9,7 @@ import numpy as np
 
 from flashjax import tuning
 
-__all__ = ["TritonConfig", "KernelConfig"]
+__all__ = ["TritonConfig", "KernelConfig", "DecodeConfig"]
 
 TUNED = Path(__file__).with_name("tuned.json")
 # Shared memory a Triton program may use on sm90 (227 KB), less a margin for the
@@ -129,3 +129,29 @@ class TritonConfig:
     def k_multiple(self) -> int:
         """Key lengths are padded to a multiple of this."""
         return max(self.fwd.block_k, self.dkv.block_k, self.dq.block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the Triton decode kernel (`flashjax.decode_attention`).
+
+    Attributes:
+      block_k: keys per step of the key loop (a power of two >= 16); None: 128 up to head
+        dim 128, else 64 (halved for float32 at head dim >= 128). With a paged cache a tile
+        is a slice of one page (pages >= block_k) or a gather of whole pages; with a
+        contiguous cache it is reduced to divide the cache's length.
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the key loop.
+    """
+
+    block_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block_k is not None and not (_is_power_of_two(self.block_k) and self.block_k >= 16):
+            raise ValueError(f"DecodeConfig.block_k must be None or a power of two >= 16, got {self.block_k}.")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(f"DecodeConfig.num_warps must be a power of two, got {self.num_warps}.")
+        if self.num_stages < 1:
+            raise ValueError(f"DecodeConfig.num_stages must be >= 1, got {self.num_stages}.")

@@ -44,11 +44,11 @@ from jax.experimental.pallas import triton as plgpu
 from flashjax import masks
 from flashjax.kernels import common
 from flashjax.kernels.triton import scoring
-from flashjax.kernels.triton.config import MAX_HEAD_DIM, next_power_of_two
+from flashjax.kernels.triton.config import MAX_HEAD_DIM, DecodeConfig, next_power_of_two
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import DecodeCall, DecodeParams, KVCache
 
-__all__ = ["supports", "decode", "num_splits", "DecodeTiling"]
+__all__ = ["supports", "decode", "num_splits", "DecodeTiling", "DecodeConfig"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 FLOAT8 = "float8_e4m3fn"
@@ -163,16 +163,20 @@ class DecodeTiling:
         return max(1, self.page_size // self.block_k)
 
 
-def tiling(q, cache: KVCache, splits: int | None, sm_count: int) -> DecodeTiling:
-    """The tiles of a call: block_k 128 (64 above head dim 128, and for float32 at head dim
-    >= 128, whose tiles take twice the registers), the largest power of two <= that dividing
-    a contiguous cache's length; block_q the rows rounded up to a power of two, <= MAX_BLOCK_Q."""
+def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeConfig | None = None) -> DecodeTiling:
+    """The tiles of a call: block_k from `config` (default 128; 64 above head dim 128, and for
+    float32 at head dim >= 128, whose tiles take twice the registers), reduced to the largest
+    power of two dividing a contiguous cache's length; block_q the rows rounded up to a power
+    of two, <= MAX_BLOCK_Q."""
+    config = config or DecodeConfig()
     batch, q_len, heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = heads // kv_heads
-    block_k = 128 if head_dim <= 128 else 64
-    if jnp.dtype(q.dtype) == jnp.float32 and head_dim >= 128:
-        block_k //= 2
+    block_k = config.block_k
+    if block_k is None:
+        block_k = 128 if head_dim <= 128 else 64
+        if jnp.dtype(q.dtype) == jnp.float32 and head_dim >= 128:
+            block_k //= 2
     if cache.page_table is None:
         capacity = cache.k.shape[1]
         block_k = math.gcd(block_k, capacity)  # both powers of two times something; >= 16 by `supports`
@@ -181,7 +185,8 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int) -> DecodeTiling
         page_size = cache.k.shape[1]
         capacity = cache.page_table.shape[1] * page_size
     block_q = min(MAX_BLOCK_Q, max(16, next_power_of_two(q_len * group)))
-    t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1)
+    t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
     if splits is None:
         splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=-(-capacity // block_k), sm_count=sm_count)
     return dataclasses.replace(t, num_splits=splits)
@@ -341,7 +346,7 @@ def decode(q, cache: KVCache, params: DecodeParams):
     """The Triton decode path: o [B, q_len, H, D] in q's dtype and the natural-log lse [B, H, q_len]."""
     batch, q_len, heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
-    t = tiling(q, cache, params.num_splits, params.sm_count)
+    t = tiling(q, cache, params.num_splits, params.sm_count, params.config)
     o, lse2 = partials(q, cache, params, t)
     # Rows back to [split, B, q_len, H, ...] (head h * group + g), the layout `merge` takes.
     o = o[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group, head_dim)
