@@ -135,11 +135,23 @@ MOSAIC_CASES = [
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
     pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
     pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
+    # Windows and the softcap (`common.score`); a window sends "accumulate" to the two-kernel dQ.
+    pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window"),
+    pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
+    pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-softcap"),
+    pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-window-softcap-accumulate"),
 ]
+# AttentionParams options of the cases above (by id).
+MOSAIC_OPTIONS = {
+    "d128-window": dict(window=(200, 37)),
+    "d64-causal-window-overlap": dict(window=(129, None)),
+    "d128-causal-softcap": dict(softcap=30.0),
+    "d128-window-softcap-accumulate": dict(window=(64, 64), softcap=20.0),
+}
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,causal,overrides,kernels", MOSAIC_CASES)
-def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overrides, kernels):
+def test_mosaic_kernels_lower_for_sm90(request, heads, kv_heads, head_dim, causal, overrides, kernels):
     """The Hopper kernels go through Pallas' Mosaic GPU lowering (layouts, wgmma operand
     shapes, barriers, semaphores) without a GPU; what only ptxas or the device checks
     (register allocation, running) is left to tests/test_mosaic.py on the device."""
@@ -147,9 +159,10 @@ def test_mosaic_kernels_lower_for_sm90(heads, kv_heads, head_dim, causal, overri
 
     dtype = jnp.bfloat16
     config = dataclasses.replace(MosaicConfig.default(head_dim, device_kind=""), **overrides)
+    options = MOSAIC_OPTIONS.get(request.node.callspec.id, {})
     params = AttentionParams(
         scale=head_dim**-0.5, causal=causal, backend="mosaic", config=config, backward_backend="mosaic",
-        backward_config=config, interpret=False,
+        backward_config=config, interpret=False, **options,
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)

@@ -202,8 +202,6 @@ def _arrays(dtype=BF16, d=64):
         (dict(mask=jnp.ones((16, 16), bool)), "mask"),
         (dict(segment_ids=jnp.zeros((1, 16), jnp.int32)), "segment_ids"),
         (dict(kv_lengths=jnp.full((1,), 8, jnp.int32)), "kv_lengths"),
-        (dict(window=(4, 0)), "window"),
-        (dict(softcap=20.0), "softcap"),
         (dict(alibi_slopes=jnp.ones((2,))), "alibi_slopes"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     ],
@@ -211,6 +209,61 @@ def _arrays(dtype=BF16, d=64):
 def test_unsupported_features_are_named(kwargs, feature):
     with pytest.raises(NotImplementedError, match=f"mosaic.*{feature}"):
         flashjax.flash_attention(*_arrays(), backend="mosaic", **kwargs)
+
+
+def _hopper_call(**options) -> backends.Call:
+    return backends.Call(batch=1, seq_q=4096, seq_k=4096, heads=8, kv_heads=8, head_dim=128,
+                         dtype=jnp.dtype(BF16), platform="gpu", compute_capability="9.0", **options)
+
+
+@pytest.mark.parametrize("options", [dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0)],
+                         ids=["window", "softcap", "both"])
+def test_window_and_softcap_are_opt_in_until_verified(options):
+    """The Hopper kernels run windows and the softcap (backend="mosaic"), and `auto` passes
+    them by for the Triton kernels, saying why, until the GPU suite has checked them."""
+    mosaic = backends.get("mosaic")
+    call = _hopper_call(**options)
+    assert mosaic.supports(call) == []
+    choice = backends.choose(call)
+    assert choice.backend == "triton"
+    assert "not yet verified on a GPU (backend='mosaic' runs it)" in str(choice)
+    assert backends.choose(call, "mosaic").backend == "mosaic"
+    assert backends.choose(_hopper_call()).backend == "mosaic"  # the plain call still goes to Hopper
+
+
+WINDOW_SOFTCAP_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, softcap
+    pytest.param((2, 1024, 1024, 4, 2, 128), False, (256, 37), None, id="T1024-window-gqa2"),
+    pytest.param((1, 1000, 1000, 4, 1, 64), True, (129, None), None, id="T1000-causal-window-mqa"),
+    pytest.param((1, 300, 1000, 8, 2, 128), True, None, 30.0, id="q300<k1000-causal-softcap"),
+    pytest.param((1, 1000, 130, 4, 4, 64), False, (64, 64), 20.0, id="q1000>k130-window-softcap-rows-without-keys"),
+    pytest.param((2, 2047, 2047, 8, 2, 128), True, (1024, None), 50.0, id="T2047-causal-window-softcap"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,window,softcap", WINDOW_SOFTCAP_CASES)
+def test_window_and_softcap(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window,
+                            softcap, dtype):
+    """Band tiles only (`MaskSpec` ranges) and the tanh cap with its gradient (`common.score`)."""
+    x = make_inputs(*shape, dtype=dtype, q_scale=3.0)  # logits large enough for the cap to bend
+    options = dict(causal=causal, window=window, softcap=softcap)
+    got = mosaic_vjp(kernel_vjp, x, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
+    assert_result_close(got, want, dtype)
+
+
+@requires_hopper
+@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
+def test_window_with_either_dq_mode(make_inputs, kernel_vjp, reference_vjp, assert_result_close, bwd_dq):
+    """A window sends the "accumulate" dQ to the two-kernel path (its semaphore order needs
+    every key tile's range to end at the last query tile)."""
+    x = make_inputs(1, 1024, 1024, 4, 4, 128, dtype=BF16)
+    config = dataclasses.replace(MosaicConfig.default(128), bwd_dq=bwd_dq)
+    got = mosaic_vjp(kernel_vjp, x, window=(200, 200), config=config)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, window=(200, 200))
+    assert_result_close(got, want, BF16)
 
 
 def test_float32_is_refused():

@@ -6,8 +6,9 @@ warpgroup), the key length a multiple of the key tile and a head dim of 64, 128 
 zero-padded here; the kernels' mask spec knows the true lengths and masks the padded
 keys, and padded query rows are dropped.
 
-Supported: bfloat16 and float16, causal (bottom-right aligned) or not, GQA/MQA, any
-lengths, on an sm90 GPU. `supports` names everything else.
+Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window
+and a softcap, GQA/MQA, any lengths, on an sm90 GPU. `supports` names everything else;
+`declines` the options that `auto` does not send here yet (see UNVERIFIED_OPTIONS).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_
 from flashjax.params import AttentionParams, Call, Extras
 
 DTYPES = ("bfloat16", "float16")
+# Options the kernels implement (through `common.score` and the `MaskSpec` ranges) that have
+# not yet run against the reference on an sm90 GPU: `backend="mosaic"` runs them, `auto`
+# passes them by (to the Triton kernels) until the GPU suite has.
+UNVERIFIED_OPTIONS = ("window", "softcap")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -41,8 +46,14 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
     if call.v_head_dim is not None:
         reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
-    reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options()]
+    reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options()
+                if option not in ("window", "softcap")]
     return reasons
+
+
+def declines(call: Call) -> list[str]:
+    return [f"{option} on the Hopper kernels is not yet verified on a GPU (backend='mosaic' runs it)"
+            for option in call.options() if option in UNVERIFIED_OPTIONS]
 
 
 def supports_backward(call: Call) -> list[str]:
@@ -57,7 +68,8 @@ def default_config(call: Call) -> MosaicConfig:
 
 
 def _tiling(params: AttentionParams, seq_q: int, seq_k: int, block_q: int, block_kv: int, stages: int) -> Tiling:
-    return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k), scale=params.scale)
+    return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
+                  scale=params.scale, softcap=params.softcap)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
@@ -82,8 +94,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     del extras
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
-    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer).
-    accumulate = config.bwd_dq == "accumulate" and dim == 128
+    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
+    # key tile's query range to end at the last query tile (no window).
+    accumulate = config.bwd_dq == "accumulate" and dim == 128 and params.window is None
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
@@ -120,6 +133,7 @@ BACKEND = backends.Backend(
     config_type=MosaicConfig,
     supports=supports,
     supports_backward=supports_backward,
+    declines=declines,
     default_config=default_config,
     forward=forward,
     backward=backward,

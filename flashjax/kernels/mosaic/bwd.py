@@ -29,7 +29,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashjax.kernels.common import LOG2E
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling, loop
 from flashjax.masks import BlockRange
@@ -68,11 +67,10 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-    if masked:
-        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
+    s_t, dlogits_t = common.score(s_t, t, i * block_q, k_start, masked=masked, transposed=True)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
-    p_t = jnp.exp2(jnp.minimum(s_t * (t.scale * LOG2E) - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
+    p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
 
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
@@ -82,7 +80,9 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
 
     dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-    return dv, p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    # Through the softcap: d logits / d s (the scale enters dK and dQ once, at the end).
+    return dv, ds_t if dlogits_t is None else ds_t * dlogits_t
 
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling):
@@ -208,7 +208,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
     n_kv = k_len // block_kv
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
-    scale_log2 = t.scale * LOG2E
+    scale_log2 = t.exp2_scale
 
     def kv_tiles(q_block):
         return t.spec.kv_range(q_block, block_q, block_kv, n_kv)
@@ -242,8 +242,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
-                if masked:
-                    s = common.mask_tile(s, t.spec, q_start, j * block_kv)
+                s, dlogits = common.score(s, t, q_start, j * block_kv, masked=masked)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -251,6 +250,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                if dlogits is not None:
+                    ds = ds * dlogits
 
                 def dq_(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])  # dQ += dS K

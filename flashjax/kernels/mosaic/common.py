@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
 
 # Consumer warpgroups per CTA (each owns one tile of the walked operand).
@@ -40,6 +41,7 @@ class Tiling:
       stages: depth of the ring the producer streams through.
       spec: the structural mask in true (unpadded) lengths.
       scale: the logit scale.
+      softcap: if set, logits = softcap * tanh(scale * q.k / softcap).
     """
 
     block_q: int
@@ -47,6 +49,13 @@ class Tiling:
     stages: int
     spec: MaskSpec
     scale: float
+    softcap: float | None = None
+
+    @property
+    def exp2_scale(self) -> float:
+        """The factor from `score`'s logits to the base-2 exponent of the softmax: the
+        scale is folded into it (one FMA per entry) unless the softcap has applied it."""
+        return LOG2E if self.softcap is not None else self.scale * LOG2E
 
 
 def smem_tiles():
@@ -195,6 +204,27 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, each=None):
             each()
 
     lax.fori_loop(lo, hi, body, None)
+
+
+def score(s, t: Tiling, q_start, k_start, *, masked: bool, transposed: bool = False):
+    """The logits of a score tile s = Q K^T (float32, wgmma register layout; [block_q,
+    block_kv] for queries [q_start, ...) and keys [k_start, ...), or transposed), in the
+    units `Tiling.exp2_scale` takes, with the mask applied when `masked`.
+
+    Returns (logits, d logits / d s divided by the scale, or None without a softcap). The
+    one scoring path of the Hopper kernels: the forward and both backward kernels call it.
+    """
+    dlogits = None
+    if t.softcap is not None:
+        # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
+        # off by ~1e-3 relative, which the softcap would multiply into the logits).
+        x = s * (t.scale / t.softcap)
+        tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+        s = tanh * t.softcap
+        dlogits = 1.0 - tanh * tanh
+    if masked:
+        s = mask_tile(s, t.spec, q_start, k_start, transposed=transposed)
+    return s, dlogits
 
 
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):

@@ -75,8 +75,8 @@ class _Consumer(NamedTuple):
 
         return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
 
-    def mask(self, s, j):
-        return common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv)
+    def logits(self, s, j, masked: bool):
+        return common.score(s, self.t, self.q_start, j * self.t.block_kv, masked=masked)[0]
 
 
 def _online_softmax(s, m, scale_log2: float, masked: bool):
@@ -99,7 +99,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
     for acc += P V; the ping-pong barrier puts the other consumer's products under this
     one's softmax."""
     t = c.t
-    scale_log2 = t.scale * LOG2E
+    scale_log2 = t.exp2_scale
     dtype = c.q_smem.dtype
     head_dim = c.q_smem.shape[-1]
 
@@ -112,8 +112,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         slot = c.slot(j)
         s = c.scores(slot)
         plgpu.barrier_arrive(c.k_free.at[slot])
-        if masked:
-            s = c.mask(s, j)
+        s = c.logits(s, j, masked)
         m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
@@ -154,7 +153,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     the P V product is still on the tensor cores, and only then waits for it to
     rescale acc. The first tile is always computed with the mask."""
     t = c.t
-    scale_log2 = t.scale * LOG2E
+    scale_log2 = t.exp2_scale
     dtype = c.q_smem.dtype
     head_dim = c.q_smem.shape[-1]
     acc, m, l = carry
@@ -163,7 +162,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     plgpu.barrier_wait(c.k_ready.at[first])
     s = c.scores(first)
     plgpu.barrier_arrive(c.k_free.at[first])
-    s = c.mask(s, tiles.lo)
+    s = c.logits(s, tiles.lo, masked=True)
     m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
     l = p.sum(axis=1)
     p16 = p.astype(dtype)
@@ -188,7 +187,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             if masked:
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
                 plgpu.barrier_arrive(c.v_free.at[prev])
-                s = c.mask(s, j)
+            s = c.logits(s, j, masked)
             m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
             l_new = l * alpha + p.sum(axis=1)
             p16_new = p.astype(dtype)
