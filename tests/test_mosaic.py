@@ -246,7 +246,7 @@ WINDOW_SOFTCAP_CASES = [
 @pytest.mark.parametrize("shape,causal,window,softcap", WINDOW_SOFTCAP_CASES)
 def test_window_and_softcap(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window,
                             softcap, dtype):
-    """Band tiles only (`MaskSpec` ranges) and the tanh cap with its gradient (`common.score`)."""
+    """Band tiles only (`MaskSpec` ranges) and the tanh cap with its gradient (`common.logits`)."""
     x = make_inputs(*shape, dtype=dtype, q_scale=3.0)  # logits large enough for the cap to bend
     options = dict(causal=causal, window=window, softcap=softcap)
     got = mosaic_vjp(kernel_vjp, x, **options)

@@ -26,7 +26,7 @@ from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_
 from flashjax.params import AttentionParams, Call, Extras
 
 DTYPES = ("bfloat16", "float16")
-# Options the kernels implement (through `common.score` and the `MaskSpec` ranges) that have
+# Options the kernels implement (through `common.logits`, `mask_tile` and the `MaskSpec` ranges) that have
 # not yet run against the reference on an sm90 GPU: `backend="mosaic"` runs them, `auto`
 # passes them by (to the Triton kernels) until the GPU suite has.
 UNVERIFIED_OPTIONS = ("window", "softcap")

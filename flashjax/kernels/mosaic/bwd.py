@@ -67,7 +67,9 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-    s_t, dlogits_t = common.score(s_t, t, i * block_q, k_start, masked=masked, transposed=True)
+    s_t, dlogits_t = common.logits(s_t, t)
+    if masked:
+        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
@@ -242,7 +244,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
-                s, dlogits = common.score(s, t, q_start, j * block_kv, masked=masked)
+                s, dlogits = common.logits(s, t)
+                if masked:
+                    s = common.mask_tile(s, t.spec, q_start, j * block_kv)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])

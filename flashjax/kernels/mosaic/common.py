@@ -206,25 +206,20 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, each=None):
     lax.fori_loop(lo, hi, body, None)
 
 
-def score(s, t: Tiling, q_start, k_start, *, masked: bool, transposed: bool = False):
-    """The logits of a score tile s = Q K^T (float32, wgmma register layout; [block_q,
-    block_kv] for queries [q_start, ...) and keys [k_start, ...), or transposed), in the
-    units `Tiling.exp2_scale` takes, with the mask applied when `masked`.
-
-    Returns (logits, d logits / d s divided by the scale, or None without a softcap). The
-    one scoring path of the Hopper kernels: the forward and both backward kernels call it.
+def logits(s, t: Tiling):
+    """The logits of a score tile s = Q K^T (float32, wgmma register layout), in the units
+    `Tiling.exp2_scale` takes: s itself, or with a softcap ``softcap * tanh(scale * s /
+    softcap)``. Returns (logits, d logits / d s divided by the scale, or None without a
+    softcap). With `mask_tile` after it on boundary tiles, the one scoring path of the
+    Hopper kernels: the forward and both backward kernels call the pair.
     """
-    dlogits = None
-    if t.softcap is not None:
-        # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
-        # off by ~1e-3 relative, which the softcap would multiply into the logits).
-        x = s * (t.scale / t.softcap)
-        tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-        s = tanh * t.softcap
-        dlogits = 1.0 - tanh * tanh
-    if masked:
-        s = mask_tile(s, t.spec, q_start, k_start, transposed=transposed)
-    return s, dlogits
+    if t.softcap is None:
+        return s, None
+    # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is off
+    # by ~1e-3 relative, which the softcap would multiply into the logits).
+    x = s * (t.scale / t.softcap)
+    tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return tanh * t.softcap, 1.0 - tanh * tanh
 
 
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):

@@ -76,7 +76,10 @@ class _Consumer(NamedTuple):
         return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
 
     def logits(self, s, j, masked: bool):
-        return common.score(s, self.t, self.q_start, j * self.t.block_kv, masked=masked)[0]
+        s, _ = common.logits(s, self.t)
+        if masked:
+            s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv)
+        return s
 
 
 def _online_softmax(s, m, scale_log2: float, masked: bool):
