@@ -135,7 +135,7 @@ MOSAIC_CASES = [
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
     pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
     pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
-    # Windows and the softcap (`common.score`); a window sends "accumulate" to the two-kernel dQ.
+    # Windows and the softcap (`common.logits`); a window sends "accumulate" to the two-kernel dQ.
     pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window"),
     pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-softcap"),
