@@ -72,3 +72,51 @@ def test_decode_smoke(tmp_path, capsys):
         else:
             assert cell["status"] in ("unsupported", "unavailable"), (key, cell)
     assert "effective bandwidth" in capsys.readouterr().out  # the table
+
+
+def test_flex_smoke(tmp_path, capsys):
+    """flex.py --smoke on the cases that take every code path (a mask_mod with a built-in and a
+    block-mask build row, a score_mod with a learned table, sinks, MLA dims): each flashjax cell
+    checked against the reference and timed, the visible fraction counted, the ratios summarised;
+    the torch cells recorded with a reason when torch is not installed (its runner otherwise)."""
+    flex = _script("flex")
+    out = tmp_path / "flex.json"
+    cases = ["causal_document", "t5_bias", "sinks", "mla"]
+    assert flex.main(["--smoke", "--cases", ",".join(cases), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cells = data["cells"]
+    expected_impls = {
+        "causal": {"flashjax_builtin"},  # the plain call of sinks and MLA (and the block-mask row's forward)
+        "causal_document": {"flashjax", "flashjax_builtin", "torch_flex"},
+        "t5_bias": {"flashjax", "torch_flex"},
+        "sinks": {"flashjax"},
+        "mla": {"flashjax"},
+    }
+    torch_installed = importlib.util.find_spec("torch") is not None
+    for name, impls in expected_impls.items():
+        for mode in ("fwd", "fwdbwd"):
+            for impl in impls:
+                key = benchmark.cell_key(name, 128, flex.CASES[name].causal, mode, impl)
+                cell = cells[key]
+                if impl != "torch_flex":
+                    assert cell["status"] == "ok", (key, cell.get("error"))
+                    assert max(cell["rel_err"].values()) < benchmark.TOLERANCE and cell["median_ms"] > 0
+                    assert 0 < cell["visible"] <= 1 and cell["tflops"] > 0
+                elif not torch_installed:
+                    assert cell["status"] == "unavailable" and "torch is not installed" in cell["error"], (key, cell)
+                else:  # FlexAttention runs eagerly on the CPU, forward only
+                    assert cell["status"] == ("ok" if mode == "fwd" else "unsupported"), (key, cell)
+    # Exact visible fractions: causal (T + 1) / 2T; the T5 bias masks nothing.
+    assert cells["causal/T128/causal/fwd/flashjax_builtin"]["visible"] == 129 / 256
+    assert cells["t5_bias/T128/full/fwd/flashjax"]["visible"] == 1.0
+    assert cells["mla/T128/causal/fwd/flashjax"]["v_head_dim"] == flex.SMOKE_SIZES.mla_dims[1]
+    for impl in flex.BUILD_IMPLS:  # the block mask built under jit and eagerly, checked, timed
+        build = cells[f"causal_document/T{flex.SMOKE_BLOCK_MASK_SEQ}/causal/build/{impl}"]
+        assert build["status"] == "ok" and build["median_ms"] > 0, build
+    summary = {(s["case"], s["mode"]): s for s in data["summary"]}
+    for mode in ("fwd", "fwdbwd"):
+        assert summary[("causal_document", mode)]["mod_over_builtin"] > 0
+        assert summary[("sinks", mode)]["tflops_vs_plain"] > 0 and summary[("mla", mode)]["tflops_vs_plain"] > 0
+    assert summary[("causal_document", "build")]["block_mask_jit_share"] > 0
+    text = capsys.readouterr().out
+    assert "mod/built-in" in text and "block mask" in text and "bars:" in text  # the tables

@@ -5,11 +5,11 @@ On the device (ncu is there; --clock-control none leaves the GPU's clocks alone)
     ncu --clock-control none --profile-from-start off --csv --page raw \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\
         --section LaunchStats --section Occupancy --log-file raw.csv \\
-        python benchmarks/profile.py run --cells 8192:no,16384:yes
+        python benchmarks/ncu_profile.py run --cells 8192:no,16384:yes
 
 Then, anywhere:
 
-    python benchmarks/profile.py summarize raw.csv
+    python benchmarks/ncu_profile.py summarize raw.csv
 
 `run` compiles and warms each (cell, implementation) first, then profiles exactly one
 jitted forward+backward call per window (cuProfilerStart/Stop around it), in the
