@@ -372,7 +372,7 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
         if not isinstance(value, (int, np.integer)) or value < 16 or value & (value - 1):
             raise ValueError(f"block_mask: {arg} must be a power of two >= 16, got {value!r}.")
     mod, consts = trace(mask_mod, MASK_MOD)
-    blocks = classify(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
+    blocks = _classify_compiled(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
     return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
@@ -402,6 +402,12 @@ def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, 
     items = jnp.arange(n_batch * n_heads * n_q * n_chunks, dtype=jnp.int32)
     codes = lax.map(classify, items, batch_size=max(1, min(len(items), _STEP_PAIRS // (block_q * chunk * block_k))))
     return codes.reshape(n_batch, n_heads, n_q, n_chunks * chunk)[..., :n_k]
+
+
+# `block_mask` called outside jit (once per step, say) compiles its builder once per traced
+# mask program and shapes: a new closure over new arrays of the same shapes (a mask_mod
+# built per batch) is the same `Mod`, a cache hit. Under an outer jit it is inlined.
+_classify_compiled = jax.jit(classify, static_argnums=(0, 2, 3, 4, 5, 6, 7))
 
 
 def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):

@@ -500,6 +500,22 @@ def test_bad_flex_arguments(kwargs, message):
         flashjax.flash_attention(q, q, q, **kwargs)
 
 
+def test_block_mask_built_eagerly_compiles_once():
+    """A mask_mod rebuilt per step (a new closure over new arrays of the same shapes) reuses
+    the compiled builder, and its blocks follow the new arrays."""
+    def build(doc_ids):
+        return flashjax.block_mask(mods.document_window(doc_ids, 40), 2, 4, 256, 256, block_q=16, block_k=16)
+
+    first = build(jnp.repeat(jnp.arange(4, dtype=jnp.int32), 64)[None].repeat(2, 0))
+    compiled = flex._classify_compiled._cache_size()
+    other_ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 128)[None].repeat(2, 0)
+    second = build(other_ids)
+    assert flex._classify_compiled._cache_size() == compiled
+    assert not np.array_equal(first.blocks, second.blocks)
+    fresh = flex.classify(*flex.trace(mods.document_window(other_ids, 40), flex.MASK_MOD), 2, 4, 256, 256, 16, 16)
+    np.testing.assert_array_equal(second.blocks, fresh)
+
+
 def test_block_mask_bad_arguments():
     with pytest.raises(ValueError, match="block_q"):
         flashjax.block_mask(mods.causal(), 1, 1, 16, 16, block_q=24)
