@@ -329,6 +329,39 @@ def test_nnx_decode_prefill_chunk_then_tokens(cache_dtype, key, assert_close, mo
         m(x[..., :1, :], decode=True)
 
 
+@pytest.mark.parametrize("page_size", [1, 4], ids=["page1", "page4"])
+def test_nnx_paged_cache(page_size, key, assert_close):
+    """init_cache(page_size=): a paged cache (pools + page table) decodes like the causal
+    full-sequence pass, with the prompt in one chunk; a page table rewritten to other pages
+    of a larger pool (as a server assigns them) gives the same outputs."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    m = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=2, causal=True,
+                                       rngs=nnx.Rngs(0))
+    full = m(x)
+    pages_per_seq = -(-SEQ // page_size)
+    for shuffled in (False, True):
+        m.init_cache(x.shape, page_size=page_size)
+        assert m.cached_key.shape == (2 * pages_per_seq, page_size, 2, FEATURES // HEADS)
+        assert m.page_table.shape == (2, pages_per_seq)
+        if shuffled:  # a pool of twice the pages, each sequence's pages scattered through it
+            pool = 4 * pages_per_seq
+            order = jax.random.permutation(jax.random.fold_in(key, 1), pool)[: 2 * pages_per_seq]
+            m.page_table[...] = order.reshape(2, pages_per_seq).astype(jnp.int32)
+            m.cached_key = nnx.Cache(jnp.zeros((pool, *m.cached_key.shape[1:])))
+            m.cached_value = nnx.Cache(jnp.zeros((pool, *m.cached_value.shape[1:])))
+        step = nnx.jit(lambda m, xt: m(xt, decode=True))
+        outs = [m(x[:, :3], decode=True)] + [step(m, x[:, t:t + 1]) for t in range(3, SEQ)]
+        assert_close(jnp.concatenate(outs, axis=1), full, jnp.float32, f"paged (shuffled={shuffled})", tol=OUT_TOL)
+    with pytest.raises(ValueError, match="paged KV cache holds"):
+        m(x[:, :1], decode=True)
+    with pytest.raises(NotImplementedError, match="paged KV cache decodes without a mask"):
+        m.cache_index[...] = jnp.int32(0)
+        m(x[:, :1], decode=True, mask=jnp.ones((2, 1, 1, SEQ), bool))
+    with pytest.raises(ValueError, match="one batch dim"):
+        m.init_cache(x.shape, page_size=4)
+        m(x[None, :, :1], decode=True)
+
+
 def test_decode_with_a_mask_feeds_one_position(key):
     """A mask (or bias, or dropout) in decode mode goes through flash_attention with the
     filled length, one position per call; a chunk with a mask is refused, not misaligned."""

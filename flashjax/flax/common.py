@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["head_dim_of", "update_cache", "decode_step", "default_inputs", "attend"]
+__all__ = ["head_dim_of", "update_cache", "update_paged_cache", "decode_step", "default_inputs", "attend"]
 
 
 def head_dim_of(num_heads: int, kv_heads: int, head_dim: int | None, qkv_features: int) -> int:
@@ -50,13 +50,48 @@ def update_cache(cached_key, cached_value, index, key, value):
     return key, value, index + steps
 
 
-def decode_step(module, query, cached_key, cached_value, kv_length):
+def update_paged_cache(key_pages, value_pages, page_table, index, key, value):
+    """Write ``steps`` new positions' K/V at ``index`` into paged caches.
+
+    ``key_pages``/``value_pages``: ``[num_pages, page_size, kv_heads, head_dim]``; position
+    ``p`` of sequence ``b`` lives in page ``page_table[b, p // page_size]`` at row ``p %
+    page_size``. ``key``/``value``: ``[batch, steps, kv_heads, head_dim]``. Returns the
+    updated pools and ``index + steps``; a concrete ``index + steps`` past the table's
+    capacity raises (under ``jit`` keep it within ``pages_per_seq * page_size``).
+    """
+    num_pages, page_size, kv_heads, head_dim = key_pages.shape
+    batch, pages_per_seq = page_table.shape
+    steps = key.shape[1] if key.ndim == 4 else 0
+    expected = (batch, steps, kv_heads, head_dim)
+    if key.shape != expected or value.shape != expected or steps < 1:
+        raise ValueError(
+            f"a paged cache takes new positions [batch, steps, kv_heads, head_dim] = {expected} with steps >= 1 "
+            f"(one batch dim; pages {key_pages.shape}, table {page_table.shape}), got key {key.shape} and value {value.shape}."
+        )
+    capacity = pages_per_seq * page_size
+    try:
+        filled = int(index) + steps
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        filled = None
+    if filled is not None and filled > capacity:
+        raise ValueError(f"the paged KV cache holds {capacity} positions per sequence: {int(index)} filled + {steps} new do not fit.")
+    positions = index + jnp.arange(steps, dtype=jnp.int32)
+    pages = page_table[:, positions // page_size]  # [batch, steps]
+    rows = jnp.broadcast_to(positions % page_size, pages.shape)
+    key_pages = key_pages.at[pages, rows].set(key.astype(key_pages.dtype))
+    value_pages = value_pages.at[pages, rows].set(value.astype(value_pages.dtype))
+    return key_pages, value_pages, index + steps
+
+
+def decode_step(module, query, cached_key, cached_value, kv_length, page_table=None):
     """The queries of a decode step (or a prefill chunk) over the filled part of the cache,
     through `flashjax.decode_attention` (split-KV: the keys of each sequence spread over
     many programs, each K/V byte read once per kv group).
 
     ``query`` ``[batch..., steps, heads, head_dim]``; caches ``[batch..., max_len, kv_heads,
-    head_dim]`` already holding this step's K/V; ``kv_length``: filled slots (a scalar).
+    head_dim]``, or paged ``[num_pages, page_size, kv_heads, head_dim]`` with ``page_table``
+    ``[batch, pages_per_seq]``, already holding this step's K/V; ``kv_length``: filled
+    slots (a scalar).
     Query ``i`` sits at position ``kv_length - steps + i``; with ``module.causal`` it sees
     the keys up to its own position, without it every filled key. The query is cast to
     the cache's dtype (the cache is read in place, never converted) and the output to
@@ -71,13 +106,16 @@ def decode_step(module, query, cached_key, cached_value, kv_length):
     *batch_dims, steps, heads, head_dim = query.shape
     out_dtype = module.dtype or query.dtype
     q = query.reshape(-1, steps, heads, head_dim).astype(cached_key.dtype)
-    k = cached_key.reshape(-1, *cached_key.shape[-3:])
-    v = cached_value.reshape(-1, *cached_value.shape[-3:])
+    if page_table is None:
+        k = cached_key.reshape(-1, *cached_key.shape[-3:])
+        v = cached_value.reshape(-1, *cached_value.shape[-3:])
+    else:
+        k, v = cached_key, cached_value
     lengths = jnp.broadcast_to(jnp.asarray(kv_length, jnp.int32), (q.shape[0],))
     # A backend named for training without a decode path (the Hopper kernels) leaves the
     # choice to auto, so that one module serves both.
     backend = module.backend if module.backend == "auto" or backends.get(module.backend).decode else "auto"
-    out = decode_attention(q, k, v, lengths, causal=bool(module.causal), backend=backend)
+    out = decode_attention(q, k, v, lengths, page_table=page_table, causal=bool(module.causal), backend=backend)
     return out.reshape(*batch_dims, steps, heads, head_dim).astype(out_dtype)
 
 
@@ -91,11 +129,12 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     """Attention of projected ``query`` [batch..., q_len, heads, head_dim] over ``key``/``value``,
     with the module's options (causal, dropout, dtype, backend, config).
 
-    ``cache``: ``(cached_key, cached_value, index)`` in decode mode: this step's K/V
-    (``q_len`` positions) are written at ``index`` and the queries attend the filled part
-    of the cache. Without a mask, bias or dropout this is `decode_step`
-    (`flashjax.decode_attention`); with one of them it is `flashjax.flash_attention` with
-    ``kv_length`` bounding the keys, one position per step.
+    ``cache``: ``(cached_key, cached_value, index)`` in decode mode, or ``(key_pages,
+    value_pages, index, page_table)`` for a paged cache: this step's K/V (``q_len``
+    positions) are written at ``index`` and the queries attend the filled part of the
+    cache. Without a mask, bias or dropout this is `decode_step`
+    (`flashjax.decode_attention`); with one of them (contiguous caches only) it is
+    `flashjax.flash_attention` with ``kv_length`` bounding the keys, one position per step.
 
     Returns:
       (output [batch..., q_len, heads, head_dim], the updated cache or None).
@@ -103,6 +142,12 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     from flashjax.flax.attention_fn import _attention_fn
 
     kv_length, causal, new_cache = None, module.causal, None
+    if cache is not None and len(cache) == 4:  # paged
+        key_pages, value_pages, index, page_table = cache
+        key, value, kv_length = update_paged_cache(key_pages, value_pages, page_table, index, key, value)
+        if not (mask is None and bias is None and deterministic):
+            raise NotImplementedError("a paged KV cache decodes without a mask, bias or dropout (use a contiguous cache).")
+        return decode_step(module, query, key, value, kv_length, page_table), (key, value, kv_length, page_table)
     if cache is not None:
         key, value, kv_length = update_cache(*cache, key, value)
         new_cache = (key, value, kv_length)

@@ -107,15 +107,30 @@ class FlashMultiHeadAttention(nnx.Module):
             self.query_norm = self.key_norm = nnx.data(None)
         # As in nnx.MultiHeadAttention: a dropout stream of our own, forked after the params.
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
-        self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+        self.cached_key = self.cached_value = self.cache_index = self.page_table = nnx.data(None)
 
-    def init_cache(self, input_shape, dtype=jnp.float32):
+    def init_cache(self, input_shape, dtype=jnp.float32, *, page_size: int | None = None):
         """Allocate the KV cache for decoding inputs of shape ``[batch..., max_len, features]``.
 
         The cache is ``[batch..., max_len, num_kv_heads, head_dim]``: grouped-query
-        attention shrinks it by ``num_heads / num_kv_heads``.
+        attention shrinks it by ``num_heads / num_kv_heads``. With ``page_size`` (one batch
+        dim) it is paged, as serving systems hold it: pools ``cached_key``/``cached_value``
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` and ``page_table`` int32 ``[batch,
+        pages_per_seq]`` (``pages_per_seq = ceil(max_len / page_size)``), which starts as
+        consecutive pages and may be rewritten (pages shared between sequences, a larger
+        pool) as long as each sequence's filled positions map to its own data.
         """
-        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        if page_size is None:
+            shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+            self.page_table = nnx.data(None)
+        else:
+            if len(input_shape) != 3 or not isinstance(page_size, int) or page_size < 1:
+                raise ValueError(f"a paged cache takes input_shape [batch, max_len, features] and an int page_size >= 1, "
+                                 f"got {tuple(input_shape)} and {page_size!r}.")
+            batch, max_len = input_shape[0], input_shape[1]
+            pages_per_seq = -(-max_len // page_size)
+            shape = (batch * pages_per_seq, page_size, self.num_kv_heads, self.head_dim)
+            self.page_table = nnx.Cache(jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq))
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
@@ -152,6 +167,8 @@ class FlashMultiHeadAttention(nnx.Module):
             if self.cached_key is None:
                 raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first.")
             cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
+            if self.page_table is not None:
+                cache += (self.page_table[...],)
 
         dropout_rng = None
         deterministic = True if self.dropout_rate == 0.0 else (
@@ -167,5 +184,5 @@ class FlashMultiHeadAttention(nnx.Module):
         x, cache = attend(self, query, key, value, mask=mask, bias=bias, dropout_rng=dropout_rng,
                           deterministic=deterministic, cache=cache)
         if cache is not None:
-            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
         return self.out(x)
