@@ -15,6 +15,7 @@ capacities of a few hundred keys), so the whole file takes about a minute.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -349,3 +350,50 @@ def test_unused_page_table_entries_are_not_checked(rng):
     """Entries past a sequence's last page may hold anything (e.g. -1): they are never read."""
     args = _args(paged=True, page_table=jnp.array([[0, -1], [2, 3]], jnp.int32), kv_lengths=jnp.array([16, 20], jnp.int32))
     assert flashjax.decode_attention(**args).shape == (2, 1, 4, D)
+
+
+# ---- random combinations (hypothesis) -----------------------------------------------------
+from hypothesis import HealthCheck, Phase, given, note, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_EXAMPLES = 25 * (10 if os.environ.get("FLASHJAX_HYPOTHESIS_PROFILE") == "thorough" else 1)
+
+
+@st.composite
+def decode_cases(draw):
+    """A decode call: cache kind and page size, dtype, q_len, GQA ratio, lengths (0 and the
+    capacity included), causal, window, softcap, splits and tiling, all drawn together."""
+    kind = draw(st.sampled_from(["contiguous", "paged", "fp8-head", "fp8-page"]))
+    dtype = draw(st.sampled_from([F32, BF16, F16]))
+    capacity = 128
+    page_size = None if kind == "contiguous" else draw(st.sampled_from([16, 32, 64, 128]))
+    heads, kv_heads = draw(st.sampled_from([(4, 2), (4, 1), (2, 2)]))
+    batch = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.sampled_from([0, 1, 17, 64, 100, 127, 128]), min_size=batch, max_size=batch))
+    causal = draw(st.booleans())
+    left = draw(st.sampled_from([None, 0, 9, 50]))
+    right = 0 if causal else draw(st.sampled_from([None, 0, 3]))
+    window = None if (left is None and right in (None, 0) and draw(st.booleans())) else (left, right)
+    return dict(
+        kind=kind, dtype=dtype, capacity=capacity, page_size=page_size, heads=heads, kv_heads=kv_heads,
+        batch=batch, lengths=lengths, q_len=draw(st.sampled_from([1, 2, 5])), causal=causal, window=window,
+        softcap=draw(st.sampled_from([None, 20.0])), num_splits=draw(st.sampled_from([None, 1, 3])),
+        config=draw(st.sampled_from([None, flashjax.DecodeConfig(block_k=16), flashjax.DecodeConfig(block_k=32)])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(case=decode_cases())
+def test_random_combinations_match_reference(case):
+    """The Triton decode kernel on random combinations of every option: output and lse equal
+    the reference on the dequantised cache (queries without keys: 0 and lse -inf)."""
+    note(repr(case))
+    rng = np.random.default_rng(case["seed"])
+    scales = {"fp8-head": "head", "fp8-page": "page"}.get(case["kind"])
+    cache = make_cache(rng, case["batch"], case["capacity"], case["kv_heads"], case["dtype"],
+                       page_size=case["page_size"], scales=scales)
+    q = draw_q(rng, case["batch"], case["q_len"], case["heads"], case["dtype"])
+    check(q, cache, case["lengths"], num_splits=case["num_splits"], config=case["config"],
+          causal=case["causal"], window=case["window"], softcap=case["softcap"])
