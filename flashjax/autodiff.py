@@ -34,6 +34,8 @@ def attention(q, k, v, extras: Extras, params: AttentionParams):
     forward = backends.get(params.backend)
     if forward.differentiable and params.backward_backend == params.backend:
         return forward.forward(q, k, v, extras, params, params.config)
+    if forward.prepare is not None:
+        extras = forward.prepare(q, k, v, extras, params, params.config)
     return _attention(q, k, v, extras, params)
 
 

@@ -74,6 +74,9 @@ class Backend:
       differentiable: its forward is plain JAX, differentiated by JAX when it runs a
         whole call (exact float32 gradients, no recomputation from a rounded o).
       decode: its decode path (`Decoder`), or None when it has none.
+      prepare: ``prepare(q, k, v, extras, params, config) -> extras``: inputs its kernels
+        derive from the call's (a block mask from a mask_mod), computed once before the
+        custom_vjp so that the forward and the backward share them; None: nothing to derive.
     """
 
     name: str
@@ -87,6 +90,7 @@ class Backend:
     declines: Callable[[Call], list[str]] = lambda call: []
     differentiable: bool = False
     decode: Decoder | None = None
+    prepare: Callable | None = None
 
 
 # name -> module that defines BACKEND.

@@ -516,6 +516,28 @@ def test_block_mask_built_eagerly_compiles_once():
     np.testing.assert_array_equal(second.blocks, fresh)
 
 
+def test_automatic_block_mask_is_built_once_per_call(rng, monkeypatch):
+    """A mask_mod without a block mask: the block mask is built once, before the custom_vjp,
+    and the backward reuses the forward's (it used to build its own)."""
+    s = SELF
+    x = draw(rng, s, jnp.float32)
+    built = []
+    real = flex.classify
+    monkeypatch.setattr(flex, "classify", lambda *a, **kw: (built.append(a[2:]), real(*a, **kw))[1])
+    mask_mod = mods.document_window(jnp.repeat(jnp.arange(3, dtype=jnp.int32), 40)[None, : s.seq_k].repeat(s.batch, 0), 7)
+
+    def loss(q, k, v):
+        out = flashjax.flash_attention(q, k, v, mask_mod=mask_mod, backend="triton", config=SMALL_TILES)
+        return jnp.sum(out * x["do"])
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    assert len(built) == 1, built
+    want = jax.grad(lambda q, k, v: jnp.sum(reference.attention(q, k, v, mask_mod=mask_mod) * x["do"]),
+                    argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    for name, g, w in zip("qkv", grads, want):
+        check_close(g, w, jnp.float32, f"d{name}")
+
+
 def test_block_mask_bad_arguments():
     with pytest.raises(ValueError, match="block_q"):
         flashjax.block_mask(mods.causal(), 1, 1, 16, 16, block_q=24)

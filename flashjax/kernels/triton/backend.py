@@ -123,9 +123,17 @@ def _scorer(params: AttentionParams, seq_q: int, seq_k: int) -> Scorer:
     )
 
 
+def prepare(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig) -> Extras:
+    """The registry's hook before the custom_vjp: a mask_mod's block mask, built once for the
+    forward and the backward (`_with_block_mask` at the call's tiling)."""
+    return _with_block_mask(extras, params, q, k, _layout(q, k, v, extras, config).config)
+
+
 def _with_block_mask(extras: Extras, params: AttentionParams, q, k, config: TritonConfig) -> Extras:
     """With a mask_mod but no block mask, builds one at the finest of the kernels' tiles (each
-    kernel re-tiles it exactly): one evaluation of mask_mod per (query, key) pair."""
+    kernel re-tiles it exactly): one evaluation of mask_mod per (query, key) pair. A call
+    through `autodiff` has it from `prepare` already; a direct kernel call (the ring's
+    blocks) builds it here."""
     if params.mask_mod is None or extras.block_mask is not None:
         return extras
     kernels = (config.fwd, config.dkv, config.dq)
@@ -312,4 +320,5 @@ BACKEND = backends.Backend(
     backward=backward,
     decode=backends.Decoder(supports=triton_decode.supports, run=triton_decode.decode, declines=declines,
                             config_type=DecodeConfig),
+    prepare=prepare,
 )
