@@ -299,15 +299,15 @@ def test_nnx_decode_prefill_chunk_then_tokens(cache_dtype, key, assert_close, mo
     """A prompt chunk fed through the cache at once, then one token per step, with two batch
     dims and GQA: equal to the causal full-sequence output. The steps are
     `flashjax.decode_attention` calls (the split-KV path), on the batch dims flattened."""
-    import flashjax.decode as decode_module
+    from flashjax.flax import common as flax_common
 
-    shapes, real = [], decode_module.decode_attention
+    shapes, real = [], flax_common.decode_attention
 
     def spy(q, *args, **kwargs):
         shapes.append((q.shape, q.dtype))
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(decode_module, "decode_attention", spy)
+    monkeypatch.setattr(flax_common, "decode_attention", spy)
     x = jax.random.normal(key, (2, 3, SEQ, FEATURES))
     m = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=2, causal=True,
                                        rngs=nnx.Rngs(0))

@@ -6,6 +6,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flashjax import backends
+from flashjax.decode import decode_attention
+from flashjax.flax.attention_fn import _attention_fn
+
 __all__ = ["head_dim_of", "update_cache", "update_paged_cache", "decode_step", "default_inputs", "attend"]
 
 
@@ -100,9 +104,6 @@ def decode_step(module, query, cached_key, cached_value, kv_length, page_table=N
     Returns:
       ``[batch..., steps, heads, head_dim]``.
     """
-    from flashjax import backends
-    from flashjax.decode import decode_attention
-
     *batch_dims, steps, heads, head_dim = query.shape
     out_dtype = module.dtype or query.dtype
     q = query.reshape(-1, steps, heads, head_dim).astype(cached_key.dtype)
@@ -139,8 +140,6 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     Returns:
       (output [batch..., q_len, heads, head_dim], the updated cache or None).
     """
-    from flashjax.flax.attention_fn import _attention_fn
-
     kv_length, causal, new_cache = None, module.causal, None
     if cache is not None and len(cache) == 4:  # paged
         key_pages, value_pages, index, page_table = cache
