@@ -26,9 +26,11 @@ from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_
 from flashjax.params import AttentionParams, Call, Extras
 
 DTYPES = ("bfloat16", "float16")
-# Options the kernels implement (through `common.logits`, `mask_tile` and the `MaskSpec` ranges) that have
-# not yet run against the reference on an sm90 GPU: `backend="mosaic"` runs them, `auto`
-# passes them by (to the Triton kernels) until the GPU suite has.
+# Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
+# and the `MaskSpec` ranges).
+OPTIONS = ("window", "softcap")
+# Of those, the ones not yet run against the reference on an sm90 GPU: `backend="mosaic"`
+# runs them, `auto` passes them by (to the Triton kernels) until the GPU suite has.
 UNVERIFIED_OPTIONS = ("window", "softcap")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
@@ -46,8 +48,7 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
     if call.v_head_dim is not None:
         reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
-    reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options()
-                if option not in ("window", "softcap")]
+    reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
     return reasons
 
 
