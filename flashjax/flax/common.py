@@ -41,17 +41,22 @@ def update_cache(cached_key, cached_value, index, key, value):
             f"decode feeds new positions [batch..., steps, kv_heads, head_dim] = {expected} with steps >= 1 "
             f"(from the cache {cached_key.shape}), got key {key.shape} and value {value.shape}."
         )
-    try:
-        filled = int(index) + steps
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        filled = None
-    if filled is not None and filled > max_len:
-        raise ValueError(f"the KV cache holds {max_len} positions: {int(index)} filled + {steps} new do not fit.")
+    _check_fits(index, steps, max_len, "the KV cache holds")
     zero = jnp.zeros((), index.dtype)
     start = (zero,) * len(batch_dims) + (index, zero, zero)
     key = lax.dynamic_update_slice(cached_key, key.astype(cached_key.dtype), start)
     value = lax.dynamic_update_slice(cached_value, value.astype(cached_value.dtype), start)
     return key, value, index + steps
+
+
+def _check_fits(index, steps: int, capacity: int, what: str):
+    """Raises when a concrete ``index + steps`` exceeds the capacity (a traced index cannot be checked)."""
+    try:
+        filled = int(index) + steps
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if filled > capacity:
+        raise ValueError(f"{what} {capacity} positions per sequence: {int(index)} filled + {steps} new do not fit.")
 
 
 def update_paged_cache(key_pages, value_pages, page_table, index, key, value):
@@ -72,13 +77,7 @@ def update_paged_cache(key_pages, value_pages, page_table, index, key, value):
             f"a paged cache takes new positions [batch, steps, kv_heads, head_dim] = {expected} with steps >= 1 "
             f"(one batch dim; pages {key_pages.shape}, table {page_table.shape}), got key {key.shape} and value {value.shape}."
         )
-    capacity = pages_per_seq * page_size
-    try:
-        filled = int(index) + steps
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        filled = None
-    if filled is not None and filled > capacity:
-        raise ValueError(f"the paged KV cache holds {capacity} positions per sequence: {int(index)} filled + {steps} new do not fit.")
+    _check_fits(index, steps, pages_per_seq * page_size, "the paged KV cache holds")
     positions = index + jnp.arange(steps, dtype=jnp.int32)
     pages = page_table[:, positions // page_size]  # [batch, steps]
     rows = jnp.broadcast_to(positions % page_size, pages.shape)
