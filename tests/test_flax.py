@@ -188,6 +188,28 @@ def test_linen_decode_matches_flax(key, assert_close):
     assert_close(outputs["module"], full, jnp.float32, "decode vs causal", tol=OUT_TOL)
 
 
+@pytest.mark.parametrize("page_size", [2, 8], ids=["page2", "page8"])
+def test_linen_paged_cache(page_size, key, assert_close):
+    """linen's page_size: the "cache" collection holds page pools and a page table; a prompt
+    chunk, then one token per step, equals causal attention over the whole sequence."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    paged = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, num_kv_heads=2, causal=True, decode=True,
+                                             page_size=page_size)
+    variables = paged.init(key, x)
+    params, cache = {"params": variables["params"]}, variables["cache"]
+    pages_per_seq = -(-SEQ // page_size)
+    assert cache["cached_key"].shape == (2 * pages_per_seq, page_size, 2, FEATURES // HEADS)
+    assert cache["page_table"].shape == (2, pages_per_seq)
+    step = jax.jit(lambda c, xt: paged.apply({**params, "cache": c}, xt, mutable=["cache"]))
+    outs = []
+    for chunk in (x[:, :3], *(x[:, t:t + 1] for t in range(3, SEQ))):
+        out, mutated = step(cache, chunk)
+        cache = mutated["cache"]
+        outs.append(out)
+    full = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, num_kv_heads=2, causal=True).apply(params, x)
+    assert_close(jnp.concatenate(outs, axis=1), full, jnp.float32, "paged decode vs causal", tol=OUT_TOL)
+
+
 # ---- nnx ------------------------------------------------------------------------------
 def _nnx_pair(key, **kwargs):
     """Flax's nnx.MultiHeadAttention with its default attention and with ours, same params."""

@@ -52,6 +52,10 @@ class FlashMultiHeadAttention(nn.Module):
       dtype, param_dtype: computation and parameter dtypes.
       kernel_init, bias_init, use_bias: as in Flax.
       decode: autoregressive decoding with a KV cache.
+      page_size: with ``decode``, a paged cache: ``cached_key``/``cached_value`` page pools
+        ``[num_pages, page_size, kv_heads, head_dim]`` and ``page_table`` int32 ``[batch,
+        pages_per_seq]`` in the "cache" collection (consecutive pages at init; may be
+        rewritten). Decodes without a mask, bias or dropout.
       backend, config: forwarded to `flashjax.flash_attention`.
     """
 
@@ -71,6 +75,7 @@ class FlashMultiHeadAttention(nn.Module):
     bias_init: Any = nn.initializers.zeros_init()
     use_bias: bool = True
     decode: bool = False
+    page_size: int | None = None
     backend: str = "auto"
     config: Any = None
 
@@ -108,11 +113,23 @@ class FlashMultiHeadAttention(nn.Module):
         cache = None
         if self.decode:
             is_initialized = self.has_variable("cache", "cached_key")
-            cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-            cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+            shape = key.shape
+            if self.page_size is not None:
+                if key.ndim != 4:
+                    raise ValueError(f"a paged cache takes one batch dim, got inputs {inputs_k.shape}.")
+                batch, max_len = key.shape[:2]
+                pages_per_seq = -(-max_len // self.page_size)
+                shape = (batch * pages_per_seq, self.page_size, *key.shape[2:])
+                page_table = self.variable(
+                    "cache", "page_table",
+                    lambda: jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq))
+            cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
+            cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
             cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
             if is_initialized:  # init with a full-length input only creates the cache
                 cache = (cached_key.value, cached_value.value, cache_index.value)
+                if self.page_size is not None:
+                    cache += (page_table.value,)
 
         if self.dropout_rate > 0.0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
@@ -124,7 +141,7 @@ class FlashMultiHeadAttention(nn.Module):
         x, cache = attend(self, query, key, value, mask=mask, bias=bias, dropout_rng=dropout_rng,
                           deterministic=deterministic, cache=cache)
         if cache is not None:
-            cached_key.value, cached_value.value, cache_index.value = cache
+            cached_key.value, cached_value.value, cache_index.value = cache[:3]
         return nn.DenseGeneral(
             features=self.out_features or inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
             param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
