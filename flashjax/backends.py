@@ -181,13 +181,7 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
         the call; the message lists its reasons.
     """
     if config is not None:
-        owner = next((n for n in names() if get(n).config_type is not None and isinstance(config, get(n).config_type)), None)
-        if owner is None:
-            types = ", ".join(get(n).config_type.__name__ for n in names() if get(n).config_type is not None)
-            raise ValueError(f"config must be one of {types} or None, got {type(config).__name__}.")
-        if backend not in ("auto", owner):
-            raise ValueError(f"config is a {type(config).__name__}, the config of backend {owner!r}, not of {backend!r}.")
-        backend = owner
+        backend = _config_owner(config, backend, lambda b: b.config_type, "config")
     if backend != "auto":
         chosen = get(backend)
         reasons = chosen.supports(call)
@@ -228,14 +222,7 @@ def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -
         return b.decode.supports(call) + (b.decode.declines(call) if auto else [])
 
     if config is not None:
-        typed = [n for n in names() if get(n).decode is not None and get(n).decode.config_type is not None]
-        owner = next((n for n in typed if isinstance(config, get(n).decode.config_type)), None)
-        if owner is None:
-            types = ", ".join(get(n).decode.config_type.__name__ for n in typed)
-            raise ValueError(f"decode config must be one of {types} or None, got {type(config).__name__}.")
-        if backend not in ("auto", owner):
-            raise ValueError(f"config is a {type(config).__name__}, the decode config of backend {owner!r}, not of {backend!r}.")
-        backend = owner
+        backend = _config_owner(config, backend, lambda b: b.decode and b.decode.config_type, "decode config")
     if backend != "auto":
         reasons = reasons_of(get(backend), auto=False)
         if reasons:
@@ -246,6 +233,19 @@ def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -
         return Choice(backend, "", None, None)
     chosen, passed = _first(call, order(call.platform), lambda b: reasons_of(b, auto=True))
     return Choice(chosen.name, "", None, None, passed)
+
+
+def _config_owner(config, backend: str, config_type_of, what: str) -> str:
+    """The backend whose config type (`config_type_of(backend)`) `config` is; raises when none
+    is, or when `backend` names another one."""
+    typed = [n for n in names() if config_type_of(get(n))]
+    owner = next((n for n in typed if isinstance(config, config_type_of(get(n)))), None)
+    if owner is None:
+        types = ", ".join(config_type_of(get(n)).__name__ for n in typed)
+        raise ValueError(f"{what} must be one of {types} or None, got {type(config).__name__}.")
+    if backend not in ("auto", owner):
+        raise ValueError(f"config is a {type(config).__name__}, the {what} of backend {owner!r}, not of {backend!r}.")
+    return owner
 
 
 def _first(call, candidates, reasons_of):

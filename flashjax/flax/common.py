@@ -10,7 +10,7 @@ from flashjax import backends
 from flashjax.decode import decode_attention
 from flashjax.flax.attention_fn import _attention_fn
 
-__all__ = ["head_dim_of", "update_cache", "update_paged_cache", "decode_step", "default_inputs", "attend"]
+__all__ = ["head_dim_of", "update_cache", "paged_cache_layout", "update_paged_cache", "decode_step", "default_inputs", "attend"]
 
 
 def head_dim_of(num_heads: int, kv_heads: int, head_dim: int | None, qkv_features: int) -> int:
@@ -57,6 +57,19 @@ def _check_fits(index, steps: int, capacity: int, what: str):
         return
     if filled > capacity:
         raise ValueError(f"{what} {capacity} positions per sequence: {int(index)} filled + {steps} new do not fit.")
+
+
+def paged_cache_layout(cache_shape, page_size):
+    """A paged cache for ``cache_shape`` ``[batch, max_len, kv_heads, head_dim]``: the pools'
+    shape ``[batch * pages_per_seq, page_size, kv_heads, head_dim]`` and the initial page
+    table, int32 ``[batch, pages_per_seq]`` of consecutive pages."""
+    if len(cache_shape) != 4 or not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"a paged cache takes one batch dim ([batch, max_len, ...]) and an int page_size >= 1, "
+                         f"got a cache of {tuple(cache_shape)} and page_size {page_size!r}.")
+    batch, max_len, kv_heads, head_dim = cache_shape
+    pages_per_seq = -(-max_len // page_size)
+    table = jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)
+    return (batch * pages_per_seq, page_size, kv_heads, head_dim), table
 
 
 def update_paged_cache(key_pages, value_pages, page_table, index, key, value):
@@ -141,10 +154,10 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     """
     kv_length, causal, new_cache = None, module.causal, None
     if cache is not None and len(cache) == 4:  # paged
-        key_pages, value_pages, index, page_table = cache
-        key, value, kv_length = update_paged_cache(key_pages, value_pages, page_table, index, key, value)
         if not (mask is None and bias is None and deterministic):
             raise NotImplementedError("a paged KV cache decodes without a mask, bias or dropout (use a contiguous cache).")
+        key_pages, value_pages, index, page_table = cache
+        key, value, kv_length = update_paged_cache(key_pages, value_pages, page_table, index, key, value)
         return decode_step(module, query, key, value, kv_length, page_table), (key, value, kv_length, page_table)
     if cache is not None:
         key, value, kv_length = update_cache(*cache, key, value)

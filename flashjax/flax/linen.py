@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flashjax.flax.attention_fn import attention_fn, make_attention_fn
-from flashjax.flax.common import attend, default_inputs, head_dim_of
+from flashjax.flax.common import attend, default_inputs, head_dim_of, paged_cache_layout
 
 __all__ = ["attention_fn", "make_attention_fn", "FlashMultiHeadAttention"]
 
@@ -115,14 +115,8 @@ class FlashMultiHeadAttention(nn.Module):
             is_initialized = self.has_variable("cache", "cached_key")
             shape = key.shape
             if self.page_size is not None:
-                if key.ndim != 4:
-                    raise ValueError(f"a paged cache takes one batch dim, got inputs {inputs_k.shape}.")
-                batch, max_len = key.shape[:2]
-                pages_per_seq = -(-max_len // self.page_size)
-                shape = (batch * pages_per_seq, self.page_size, *key.shape[2:])
-                page_table = self.variable(
-                    "cache", "page_table",
-                    lambda: jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq))
+                shape, table = paged_cache_layout(key.shape, self.page_size)
+                page_table = self.variable("cache", "page_table", lambda: table)
             cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, key.dtype)
             cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, value.dtype)
             cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))

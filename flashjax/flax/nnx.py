@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flashjax.flax.attention_fn import attention_fn, make_attention_fn
-from flashjax.flax.common import attend, default_inputs, head_dim_of
+from flashjax.flax.common import attend, default_inputs, head_dim_of, paged_cache_layout
 
 __all__ = ["attention_fn", "make_attention_fn", "FlashMultiHeadAttention"]
 
@@ -120,17 +120,11 @@ class FlashMultiHeadAttention(nnx.Module):
         consecutive pages and may be rewritten (pages shared between sequences, a larger
         pool) as long as each sequence's filled positions map to its own data.
         """
-        if page_size is None:
-            shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
-            self.page_table = nnx.data(None)
-        else:
-            if len(input_shape) != 3 or not isinstance(page_size, int) or page_size < 1:
-                raise ValueError(f"a paged cache takes input_shape [batch, max_len, features] and an int page_size >= 1, "
-                                 f"got {tuple(input_shape)} and {page_size!r}.")
-            batch, max_len = input_shape[0], input_shape[1]
-            pages_per_seq = -(-max_len // page_size)
-            shape = (batch * pages_per_seq, page_size, self.num_kv_heads, self.head_dim)
-            self.page_table = nnx.Cache(jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq))
+        shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
+        self.page_table = nnx.data(None)
+        if page_size is not None:
+            shape, table = paged_cache_layout(shape, page_size)
+            self.page_table = nnx.Cache(table)
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))

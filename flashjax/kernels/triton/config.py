@@ -22,6 +22,15 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def _check_launch(config):
+    """Triton's launch parameters of a config: num_warps a power of two, num_stages >= 1."""
+    name = type(config).__name__
+    if not _is_power_of_two(config.num_warps):
+        raise ValueError(f"{name}.num_warps must be a power of two, got {config.num_warps}.")
+    if config.num_stages < 1:
+        raise ValueError(f"{name}.num_stages must be >= 1, got {config.num_stages}.")
+
+
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -47,10 +56,7 @@ class KernelConfig:
             value = getattr(self, name)
             if not (_is_power_of_two(value) and value >= 16):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}.")
-        if not _is_power_of_two(self.num_warps):
-            raise ValueError(f"KernelConfig.num_warps must be a power of two, got {self.num_warps}.")
-        if self.num_stages < 1:
-            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}.")
+        _check_launch(self)
 
     def fit_shared_memory(self, streamed_bytes_per_key: int, pair_bytes: int) -> "KernelConfig":
         """Fewer pipeline stages, then shorter key tiles, until the streamed tiles fit.
@@ -151,7 +157,4 @@ class DecodeConfig:
     def __post_init__(self):
         if self.block_k is not None and not (_is_power_of_two(self.block_k) and self.block_k >= 16):
             raise ValueError(f"DecodeConfig.block_k must be None or a power of two >= 16, got {self.block_k}.")
-        if not _is_power_of_two(self.num_warps):
-            raise ValueError(f"DecodeConfig.num_warps must be a power of two, got {self.num_warps}.")
-        if self.num_stages < 1:
-            raise ValueError(f"DecodeConfig.num_stages must be >= 1, got {self.num_stages}.")
+        _check_launch(self)
