@@ -235,6 +235,9 @@ WINDOW_SOFTCAP_CASES = [
     # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, softcap
     pytest.param((2, 1024, 1024, 4, 2, 128), False, (256, 37), None, id="T1024-window-gqa2"),
     pytest.param((1, 1000, 1000, 4, 1, 64), True, (129, None), None, id="T1000-causal-window-mqa"),
+    # The second consumer's key range starts a tile later than the first's: it passes
+    # the skipped tile's barrier phases before its own range.
+    pytest.param((1, 1536, 1536, 4, 4, 128), True, (64, None), None, id="T1536-causal-window64"),
     pytest.param((1, 300, 1000, 8, 2, 128), True, None, 30.0, id="q300<k1000-causal-softcap"),
     pytest.param((1, 1000, 130, 4, 4, 64), False, (64, 64), 20.0, id="q1000>k130-window-softcap-rows-without-keys"),
     pytest.param((2, 2047, 2047, 8, 2, 128), True, (1024, None), 50.0, id="T2047-causal-window-softcap"),

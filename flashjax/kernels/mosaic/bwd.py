@@ -265,7 +265,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 return acc
 
             free = (k_free, v_free)
-            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages)
+            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=(k_ready, v_ready))
             acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.spec.kv_boundaries(k_len))
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages)
             q_smem[...] = (acc * t.scale).astype(dtype)

@@ -189,15 +189,23 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
         load(j, lax.rem(j - lo, stages), wait=True)
 
 
-def release_kv(free, *, lo, hi, ring_lo, stages: int, each=None):
+def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     """A consumer's arrivals on the free barriers of the ring tiles [lo, hi) it does not
-    read, so that the producer's ring stays in step. The two consumers' ranges differ by
-    less than `stages` tiles at either end, so these arrivals never run a full ring
-    ahead of the other consumer's reads. `each()` runs once per tile (schedule turns)."""
+    read, so that the producer's ring stays in step. `each()` runs once per tile
+    (schedule turns).
+
+    ready: the (k_ready, v_ready) barriers, for tiles *before* the consumer's own range.
+    A thread tracks each barrier's phase by counting its own waits, so a consumer that
+    will wait on a slot again must first pass through the phases of the tiles it skips
+    there; the tiles after its range need no wait (it never waits on the ring again).
+    Waiting also keeps the arrivals from running a full ring ahead of the other consumer.
+    """
     k_free, v_free = free
 
     def body(j, _):
         slot = lax.rem(j - ring_lo, stages)
+        for barrier in ready:
+            plgpu.barrier_wait(barrier.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         if each is not None:

@@ -275,13 +275,13 @@ def forward(q, k, v, t: Tiling, schedule: str):
 
             # The ring tiles this query tile does not read: release them in order, with
             # the two schedule turns a computed tile takes.
-            def skip(lo, hi):
-                common.release_kv(free, lo=lo, hi=hi, ring_lo=ring_lo, stages=stages,
+            def skip(lo, hi, ready=()):
+                common.release_kv(free, lo=lo, hi=hi, ring_lo=ring_lo, stages=stages, ready=ready,
                                   each=lambda: (take_turn(), take_turn()))
 
             # Offset the two consumers by half a step: wg 1 starts one turn late.
             pl.when(wg == 1)(take_turn)
-            skip(ring_lo, tiles.lo)
+            skip(ring_lo, tiles.lo, ready=(k_ready, v_ready))
             if overlap:
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
