@@ -9,7 +9,8 @@ variant:
 * 50% right padding (q/kv lengths; cuDNN: query/key_value_seq_lengths);
 * sliding window (1024 left, causal) for T = 4k .. 64k: time linear in T
   (cuDNN: local_window_size);
-* an additive bias [1, H, T, T] (cuDNN: bias).
+* an additive bias [1, H, T, T] (cuDNN: bias);
+* a softcap of 30 with a causal mask at T = 8k and 16k (cuDNN has none).
 
 Implementations: `flashjax` is flash_attention(backend="triton"), `flashjax_mosaic`
 is backend="mosaic" (the Hopper kernels); a backend that does not support a variant
@@ -26,6 +27,7 @@ one; the `useful_fraction` column gives the fraction of (q, k) pairs that are vi
 
     python benchmarks/variants.py [--out benchmarks/results/variants-<device>.json] [--quick]
     python benchmarks/variants.py --smoke --out /tmp/variants.json   # CPU: tiny, interpret mode
+    python benchmarks/variants.py --only window,softcap --quick       # a subset of the rows
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
         visible = min(1.0, (window + 1) / seq)  # roughly: each query sees <= window + 1 keys
         out.append(Case(f"window {window} causal", seq, 1, dict(window=(window, 0), causal=True),
                         dict(local_window_size=(window, 0), is_causal=True), visible))
+    # Gemma 2's logit cap (cuDNN has none); 16k tokens per batch.
+    for seq in (256, 512) if smoke else (8192, 16384):
+        out.append(Case("softcap 30 causal", seq, max(1, 16384 // seq) if not smoke else 1,
+                        dict(softcap=30.0, causal=True), None, 0.5))
     return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out]
 
 
@@ -127,7 +133,7 @@ def _rows(case: Case) -> tuple[int, int]:
 
 def _slice_option(name: str, value, start: int, end: int):
     """The option as the reference sees it for query rows [start, end) of batch row 0, heads [:CHECK_HEADS]."""
-    if name in ("causal", "window"):
+    if name in ("causal", "window", "softcap"):
         return value
     if name == "segment_ids":
         return value[:1, start:end], value[:1]
@@ -215,6 +221,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="windows up to T = 16k only")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (>= 10 for the protocol)")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: H=2, D=32, T <= 512, 2 reps")
+    parser.add_argument("--only", default=None, help="comma-separated substrings: the variants whose name holds one")
     args = parser.parse_args(argv)
     if args.smoke:
         args.reps = min(args.reps, 2)
@@ -227,7 +234,10 @@ def main(argv=None):
     checker = VariantChecker()
     rows = []
     print(header())
-    for case in cases(args.quick, args.smoke):
+    selected = cases(args.quick, args.smoke)
+    if args.only:
+        selected = [c for c in selected if any(part in c.name for part in args.only.split(","))]
+    for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
         row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
                    useful_fraction=case.visible)
