@@ -143,9 +143,10 @@ class DecodeConfig:
 
     Attributes:
       block_k: keys per step of the key loop (a power of two >= 16); None: 128 up to head
-        dim 128, else 64 (halved for float32 at head dim >= 128). With a paged cache a tile
-        is a slice of one page (pages >= block_k) or a gather of whole pages; with a
-        contiguous cache it is reduced to divide the cache's length.
+        dim 128, else 64 (halved for float32 at head dim >= 128), at most the page size of
+        a paged cache with pages of >= 64 keys. With a paged cache a tile is a slice of one
+        page (pages >= block_k) or a gather of whole pages; with a contiguous cache it is
+        reduced to divide the cache's length.
       num_warps: warps per program.
       num_stages: software-pipelining depth of the key loop.
     """
