@@ -101,8 +101,8 @@ class Mod:
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
         if grad:
             jaxpr, own = self._value_and_slope
-            return elementwise(lambda *a: tuple(_evaluate(jaxpr, own, (*consts, *a))), *args)
-        return elementwise(lambda *a: _evaluate(self.jaxpr, consts, a)[0], *args)
+            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args)))
+        return _evaluate_tile(self.jaxpr, consts, args)[0]
 
     @functools.cached_property
     def _value_and_slope(self):
@@ -236,6 +236,74 @@ def _evaluate(jaxpr, consts, args) -> list:
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
     return [read(x) for x in jaxpr.outvars]
+
+
+def _evaluate_tile(jaxpr, consts, args) -> list:
+    """Evaluates a scalar jaxpr on a tile: `args` are scalars or arrays that broadcast against
+    each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]); the results have
+    the tile's full shape.
+
+    Each equation runs, vmapped, at the broadcast shape of its own operands only, so that a
+    value of the rows alone (a row's document id read from a closed-over array) is computed
+    and loaded once per row, not once per score: a [bq, bk] gather would stage its indices
+    and values through shared memory.
+    """
+    arrays = [a for a in args if not isinstance(a, _ConstRef) and jnp.ndim(a) > 0]
+    rank = max((jnp.ndim(a) for a in arrays), default=0)
+    tile = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
+    # A value is (array, batched): batched ones carry `rank` leading tile axes (some of size 1).
+    inputs = []
+    for a in args:
+        if isinstance(a, _ConstRef) or jnp.ndim(a) == 0:
+            inputs.append((a, False))
+        else:
+            shape = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
+            inputs.append((lax.broadcast_in_dim(a, shape, tuple(range(rank - jnp.ndim(a), rank))), True))
+    outs = _evaluate_batched(jaxpr, [(c, False) for c in consts], inputs, rank)
+    return [jnp.broadcast_to(v, tile + tuple(jnp.shape(v)[rank:] if batched else jnp.shape(v)))
+            if rank else v for v, batched in outs]
+
+
+def _evaluate_batched(jaxpr, consts, args, rank: int) -> list:
+    """`_evaluate` on (value, batched) pairs (see `_evaluate_tile`)."""
+    env = {}
+
+    def read(x):
+        return (x.val, False) if isinstance(x, jex_core.Literal) else env[x]
+
+    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        ins = [read(x) for x in eqn.invars]
+        has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
+        inner = _inner_jaxpr(eqn) if has_ref else None
+        if inner is not None:
+            # A nested call that reads a closed-over array: inline it, keeping the batching.
+            jaxpr_, consts_ = inner
+            outs = _evaluate_batched(jaxpr_, [(c, False) for c in consts_], ins, rank)
+        elif not any(batched for _, batched in ins):
+            run = _with_refs if has_ref else _bind
+            outs = [(o, False) for o in run(eqn, [v for v, _ in ins])]
+        else:
+            outs = [(o, True) for o in _vmapped_equation(eqn, ins, rank, has_ref)]
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return [read(x) for x in jaxpr.outvars]
+
+
+def _vmapped_equation(eqn, ins, rank: int, has_ref: bool) -> list:
+    """One equation on the broadcast of its batched operands' tile axes, vmapped over them."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(v)[:rank] for v, batched in ins if batched))
+    batched_values = [jnp.broadcast_to(v, shape + tuple(jnp.shape(v)[rank:])) for v, batched in ins if batched]
+    run = _with_refs if has_ref else _bind
+
+    def one(*values):
+        values = iter(values)
+        return tuple(run(eqn, [next(values) if batched else v for v, batched in ins]))
+
+    for _ in range(rank):
+        one = jax.vmap(one)
+    return list(one(*batched_values))
 
 
 def _bind(eqn, ins) -> list:

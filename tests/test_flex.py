@@ -557,6 +557,26 @@ def test_closed_over_array_read_whole_is_refused_in_the_kernels():
     assert out.shape == q.shape
 
 
+def test_tile_reads_each_closed_over_value_at_its_own_shape():
+    """On a [bq, bk] tile, a document id that depends on the row alone is read once per row
+    ([bq, 1]) and one of the column once per column ([1, bk]), not once per score; the
+    result is the full tile, equal to the elementwise evaluation."""
+    bq, bk = 16, 32
+    docs = jnp.asarray(np.random.default_rng(0).integers(0, 3, (2, 64)), jnp.int32)
+    mod, consts = flex.trace(mods.document_window(docs, left=7), flex.MASK_MOD)
+    rows = jnp.arange(bq, dtype=jnp.int32)[:, None] + 20
+    cols = jnp.arange(bk, dtype=jnp.int32)[None, :] + 8
+    batch, head = jnp.int32(1), jnp.int32(0)
+    jaxpr = jax.make_jaxpr(lambda d, r, c: mod.tile((d,), batch, head, r, c))(docs, rows, cols)
+    gathered = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name in ("gather", "dynamic_slice")]
+    # Each read's leading (tile) axes are [bq, 1] or [1, bk]; the rest are the read's own unit axes.
+    assert gathered and all(int(np.prod(shape)) in (bq, bk) for shape in gathered), gathered
+    got = mod.tile((docs,), batch, head, rows, cols)
+    want = flex.elementwise(mod.bind(consts), batch, head, rows, cols)
+    assert got.shape == (bq, bk)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_xla_backend_differentiates_closed_over_arrays(rng):
     s = Shape(batch=1, seq_q=20, seq_k=24, heads=2, kv_heads=1)
     x = draw(rng, s, jnp.float32)
