@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -103,6 +104,25 @@ class Mod:
             jaxpr, own = self._value_and_slope
             return tuple(_evaluate_tile(jaxpr, own, (*consts, *args)))
         return _evaluate_tile(self.jaxpr, consts, args)[0]
+
+    @functools.cached_property
+    def pair_read_bytes(self) -> int:
+        """Bytes per (query, key) pair read from the closed-over arrays at an index that depends
+        on both the query and the key (or on the score), as a T5 table at the bucket of
+        kv_idx - q_idx is: the gather of a whole score tile and its int32 index, which the
+        Triton kernels stage through shared memory. 0 when every read depends on one side."""
+        q_side, k_side = 1, 2
+        first = [q_side | k_side] if self.name == SCORE_MOD else []
+        sides = dict(zip(self.jaxpr.invars, first + [0, 0, q_side, k_side]))
+        consts = set(self.jaxpr.constvars)
+        read = {}
+        for eqn in self.jaxpr.eqns:
+            variables = [x for x in eqn.invars if isinstance(x, jex_core.Var)]
+            side = functools.reduce(operator.or_, (sides.get(x, 0) for x in variables if x not in consts), 0)
+            if side == q_side | k_side:
+                read.update({x: np.dtype(x.aval.dtype).itemsize for x in variables if x in consts})
+            sides.update({x: side for x in eqn.outvars})
+        return sum(itemsize + 4 for itemsize in read.values())
 
     @functools.cached_property
     def _value_and_slope(self):

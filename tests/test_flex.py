@@ -376,12 +376,12 @@ def test_block_mask_ranges_skip_and_fill(mask_mod):
     are full (mask_mod not evaluated), and [lo, hi) is the hull of the non-empty tiles."""
     from flashjax import masks
     from flashjax.kernels.triton import backend as triton_backend
-    from flashjax.params import Extras
+    from flashjax.params import AttentionParams, Extras
 
     seq = 100
     bm = flashjax.block_mask(mask_mod, 1, 2, seq, seq, block_q=16, block_k=16)
     q = jnp.zeros((1, seq, 2, 16), jnp.float32)
-    layout = triton_backend._layout(q, q, q, Extras(), SMALL_TILES)
+    layout = triton_backend._layout(q, q, q, Extras(), AttentionParams(scale=1.0), SMALL_TILES)
     for kernel, by_key in ((SMALL_TILES.fwd, False), (SMALL_TILES.dkv, True)):
         x = triton_backend._tile_inputs(Extras(block_mask=bm), q, q, layout, kernel.block_q, kernel.block_k,
                                         by_key_block=by_key)
@@ -571,6 +571,9 @@ def test_tile_reads_each_closed_over_value_at_its_own_shape():
     gathered = [tuple(e.outvars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name in ("gather", "dynamic_slice")]
     # Each read's leading (tile) axes are [bq, 1] or [1, bk]; the rest are the read's own unit axes.
     assert gathered and all(int(np.prod(shape)) in (bq, bk) for shape in gathered), gathered
+    assert mod.pair_read_bytes == 0  # the Triton tiles need no room for a [bq, bk] gather
+    t5, _ = flex.trace(mods.t5_relative_bias(jnp.ones((4, 32), jnp.float32)), flex.SCORE_MOD)
+    assert t5.pair_read_bytes == 4 + 4  # a float32 table at a (query, key) index: value and index
     got = mod.tile((docs,), batch, head, rows, cols)
     want = flex.elementwise(mod.bind(consts), batch, head, rows, cols)
     assert got.shape == (bq, bk)

@@ -66,18 +66,25 @@ def _padded_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def _layout(q, k, v, extras: Extras, config: TritonConfig) -> _Layout:
+def _layout(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig) -> _Layout:
     seq_q, seq_k = q.shape[1], k.shape[1]
     padded_dim, padded_v_dim = _padded_dim(q.shape[3]), _padded_dim(v.shape[3])
     config = config.fit(seq_q, seq_k)
     # The forward and dQ kernels stream K and V tiles (and bias/mask tiles) through
-    # shared memory, one set per pipeline stage; keep them within the budget.
+    # shared memory, one set per pipeline stage; keep them within the budget. A mod that
+    # reads a closed-over array per (query, key) pair gathers a score tile of it, which
+    # Triton stages the same way.
     pair_bytes = sum(jnp.dtype(a.dtype).itemsize for a in (extras.bias, extras.mask) if a is not None)
+    mod_bytes = sum(mod.pair_read_bytes for mod in (params.score_mod, params.mask_mod) if mod is not None)
+    pair_bytes += mod_bytes
     kv_bytes = (padded_dim + padded_v_dim) * jnp.dtype(k.dtype).itemsize
     config = dataclasses.replace(
         config,
         fwd=config.fwd.fit_shared_memory(kv_bytes, pair_bytes),
         dq=config.dq.fit_shared_memory(kv_bytes, pair_bytes),
+        # The dK/dV kernel's gathered tiles too (the same estimate: Q/dO rows in place of
+        # K/V rows, an upper bound there, as its key tile is not pipelined).
+        dkv=config.dkv.fit_shared_memory(kv_bytes, pair_bytes) if mod_bytes else config.dkv,
     )
     return _Layout(
         config,
@@ -126,7 +133,7 @@ def _scorer(params: AttentionParams, seq_q: int, seq_k: int) -> Scorer:
 def prepare(q, k, v, extras: Extras, params: AttentionParams, config: TritonConfig) -> Extras:
     """The registry's hook before the custom_vjp: a mask_mod's block mask, built once for the
     forward and the backward (`_with_block_mask` at the call's tiling)."""
-    return _with_block_mask(extras, params, q, k, _layout(q, k, v, extras, config).config)
+    return _with_block_mask(extras, params, q, k, _layout(q, k, v, extras, params, config).config)
 
 
 def _with_block_mask(extras: Extras, params: AttentionParams, q, k, config: TritonConfig) -> Extras:
@@ -190,7 +197,7 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: TritonConf
     """Returns o [B, Tq, H, Dv] (float32 with `params.float32_residual`, else q's dtype) and the
     natural-log lse [B, H, Tq] (-inf for empty rows)."""
     seq_q, v_head_dim = q.shape[1], v.shape[3]
-    layout = _layout(q, k, v, extras, config)
+    layout = _layout(q, k, v, extras, params, config)
     fwd = layout.config.fwd
     extras = _with_block_mask(extras, params, q, k, layout.config)
     o, lse2 = triton_fwd.forward(
@@ -210,7 +217,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     when its input is absent.
     """
     seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
-    layout = _layout(q, k, v, extras, config)
+    layout = _layout(q, k, v, extras, params, config)
     config = layout.config
     extras = _with_block_mask(extras, params, q, k, config)
     lse2, delta = common.backward_rows(o, do, lse, dlse, layout.q_len)
