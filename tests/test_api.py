@@ -220,8 +220,8 @@ def test_xla_backend_forced(spies):
         pytest.param("9.0", jnp.float16, 64, dict(causal=True), "mosaic", "mosaic", id="hopper-f16-causal"),
         pytest.param("9.0", jnp.bfloat16, 256, {}, "mosaic", "triton", id="hopper-d256-triton-backward"),
         pytest.param("9.0", jnp.float32, 64, {}, "triton", "triton", id="hopper-f32"),
-        pytest.param("9.0", jnp.bfloat16, 64, dict(window=(8, 0)), "triton", "triton", id="hopper-window"),
-        pytest.param("9.0", jnp.bfloat16, 64, dict(softcap=30.0), "triton", "triton", id="hopper-softcap"),
+        pytest.param("9.0", jnp.bfloat16, 64, dict(window=(8, 0)), "mosaic", "mosaic", id="hopper-window"),
+        pytest.param("9.0", jnp.bfloat16, 64, dict(softcap=30.0), "mosaic", "mosaic", id="hopper-softcap"),
         pytest.param("8.0", jnp.bfloat16, 64, {}, "triton", "triton", id="other-gpu-bf16"),
         pytest.param("9.0", jnp.float64, 64, {}, "xla", "xla", id="hopper-f64-reference"),
     ],
@@ -244,12 +244,12 @@ def test_auto_on_a_gpu(spies, monkeypatch, capability, dtype, head_dim, options,
 def test_explain_names_what_excluded_the_faster_backends(monkeypatch):
     on_device(monkeypatch, "gpu", "9.0")
     q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-    choice = flashjax.explain(q, q, q, window=(8, 0), segment_ids=jnp.zeros((1, 64), jnp.int32))
+    choice = flashjax.explain(q, q, q, alibi_slopes=jnp.ones((2,)), segment_ids=jnp.zeros((1, 64), jnp.int32))
     assert choice.backend == "triton"
     (name, reasons), = choice.passed
-    assert name == "mosaic" and any("window" in r for r in reasons) and any("segment_ids" in r for r in reasons)
+    assert name == "mosaic" and any("alibi_slopes" in r for r in reasons) and any("segment_ids" in r for r in reasons)
     text = str(choice)
-    assert "forward: triton" in text and "not mosaic" in text and "window" in text
+    assert "forward: triton" in text and "not mosaic" in text and "alibi_slopes" in text
 
 
 def test_explain_takes_shapes_only():

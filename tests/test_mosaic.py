@@ -218,17 +218,12 @@ def _hopper_call(**options) -> backends.Call:
 
 @pytest.mark.parametrize("options", [dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0)],
                          ids=["window", "softcap", "both"])
-def test_window_and_softcap_are_opt_in_until_verified(options):
-    """The Hopper kernels run windows and the softcap (backend="mosaic"), and `auto` passes
-    them by for the Triton kernels, saying why, until the GPU suite has checked them."""
-    mosaic = backends.get("mosaic")
+def test_auto_takes_hopper_for_window_and_softcap(options):
+    """On an sm90 GPU `auto` runs windows and the softcap on the Hopper kernels, forward and backward."""
     call = _hopper_call(**options)
-    assert mosaic.supports(call) == []
+    assert backends.get("mosaic").supports(call) == []
     choice = backends.choose(call)
-    assert choice.backend == "triton"
-    assert "not yet verified on a GPU (backend='mosaic' runs it)" in str(choice)
-    assert backends.choose(call, "mosaic").backend == "mosaic"
-    assert backends.choose(_hopper_call()).backend == "mosaic"  # the plain call still goes to Hopper
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), str(choice)
 
 
 WINDOW_SOFTCAP_CASES = [
