@@ -10,7 +10,7 @@ variant:
 * sliding window (1024 left, causal) for T = 4k .. 64k: time linear in T
   (cuDNN: local_window_size);
 * an additive bias [1, H, T, T] (cuDNN: bias);
-* a softcap of 30 with a causal mask at T = 8k and 16k (cuDNN has none).
+* a softcap of 30, and ALiBi, each with a causal mask at T = 8k and 16k (cuDNN has neither).
 
 Implementations: `flashjax` is flash_attention(backend="triton"), `flashjax_mosaic`
 is backend="mosaic" (the Hopper kernels); a backend that does not support a variant
@@ -95,10 +95,12 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
         visible = min(1.0, (window + 1) / seq)  # roughly: each query sees <= window + 1 keys
         out.append(Case(f"window {window} causal", seq, 1, dict(window=(window, 0), causal=True),
                         dict(local_window_size=(window, 0), is_causal=True), visible))
-    # Gemma 2's logit cap (cuDNN has none); 16k tokens per batch.
+    # Gemma 2's logit cap and ALiBi (cuDNN has neither); 16k tokens per batch.
+    slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)
     for seq in (256, 512) if smoke else (8192, 16384):
-        out.append(Case("softcap 30 causal", seq, max(1, 16384 // seq) if not smoke else 1,
-                        dict(softcap=30.0, causal=True), None, 0.5))
+        batch = 1 if smoke else max(1, 16384 // seq)
+        out.append(Case("softcap 30 causal", seq, batch, dict(softcap=30.0, causal=True), None, 0.5))
+        out.append(Case("alibi causal", seq, batch, dict(alibi_slopes=slopes, causal=True), None, 0.5))
     return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out]
 
 
@@ -135,6 +137,8 @@ def _slice_option(name: str, value, start: int, end: int):
     """The option as the reference sees it for query rows [start, end) of batch row 0, heads [:CHECK_HEADS]."""
     if name in ("causal", "window", "softcap"):
         return value
+    if name == "alibi_slopes":
+        return value[:CHECK_HEADS]
     if name == "segment_ids":
         return value[:1, start:end], value[:1]
     if name == "q_lengths":

@@ -40,11 +40,11 @@ def fake_h100(monkeypatch):
     monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake)
 
 
-def lower_attention_for_cuda(params, q, kv) -> str:
+def lower_attention_for_cuda(params, q, kv, extras: Extras = Extras()) -> str:
     """StableHLO of jit(grad) of a loss on flashjax's o and lse, lowered for CUDA."""
 
     def loss(q, k, v):
-        o, lse = autodiff.attention(q, k, v, Extras(), params)
+        o, lse = autodiff.attention(q, k, v, extras, params)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
     return lower_for_cuda(loss, q, kv, kv)
@@ -140,6 +140,9 @@ MOSAIC_CASES = [
     pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-softcap"),
     pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-window-softcap-accumulate"),
+    # ALiBi (slopes as a kernel input; "accumulate" goes to the two-kernel dQ).
+    pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-alibi-accumulate"),
+    pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-alibi-softcap-window"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -147,6 +150,12 @@ MOSAIC_OPTIONS = {
     "d64-causal-window-overlap": dict(window=(129, None)),
     "d128-causal-softcap": dict(softcap=30.0),
     "d128-window-softcap-accumulate": dict(window=(64, 64), softcap=20.0),
+    "d64-alibi-softcap-window": dict(softcap=30.0, window=(100, 100)),
+}
+# Extras (optional arrays) of the cases above (by id).
+MOSAIC_EXTRAS = {
+    "d128-causal-alibi-accumulate": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
+    "d64-alibi-softcap-window": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
 }
 
 
@@ -166,7 +175,7 @@ def test_mosaic_kernels_lower_for_sm90(request, heads, kv_heads, head_dim, causa
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
-    text = lower_attention_for_cuda(params, q, kv)
+    text = lower_attention_for_cuda(params, q, kv, MOSAIC_EXTRAS.get(request.node.callspec.id, Extras()))
     assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
     names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
     assert names == set(kernels), names

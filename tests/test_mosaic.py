@@ -202,7 +202,6 @@ def _arrays(dtype=BF16, d=64):
         (dict(mask=jnp.ones((16, 16), bool)), "mask"),
         (dict(segment_ids=jnp.zeros((1, 16), jnp.int32)), "segment_ids"),
         (dict(kv_lengths=jnp.full((1,), 8, jnp.int32)), "kv_lengths"),
-        (dict(alibi_slopes=jnp.ones((2,))), "alibi_slopes"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     ],
 )
@@ -262,6 +261,32 @@ def test_window_with_either_dq_mode(make_inputs, kernel_vjp, reference_vjp, asse
     got = mosaic_vjp(kernel_vjp, x, window=(200, 200), config=config)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, window=(200, 200))
     assert_result_close(got, want, BF16)
+
+
+ALIBI_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, softcap, bwd_dq
+    pytest.param((2, 1024, 1024, 4, 2, 128), True, None, None, "recompute", id="T1024-causal-gqa2"),
+    pytest.param((1, 1000, 1000, 4, 1, 64), False, None, None, "recompute", id="T1000-mqa-d64"),
+    pytest.param((1, 300, 1000, 8, 2, 128), True, None, 30.0, "accumulate", id="q300<k1000-causal-softcap-accumulate"),
+    pytest.param((1, 1000, 130, 4, 4, 64), False, (64, 64), None, "recompute", id="q1000>k130-window-rows-without-keys"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,window,softcap,bwd_dq", ALIBI_CASES)
+def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window, softcap,
+               bwd_dq, dtype):
+    """ALiBi in `common.logits` (every tile, not only the masked ones), with the other options;
+    "accumulate" runs it on the two-kernel dQ."""
+    x = make_inputs(*shape, dtype=dtype)
+    heads = shape[3]
+    slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)  # the ALiBi paper's
+    options = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+    config = dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq=bwd_dq)
+    got = mosaic_vjp(kernel_vjp, x, config=config, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
+    assert_result_close(got, want, dtype)
 
 
 def test_float32_is_refused():

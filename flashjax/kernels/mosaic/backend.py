@@ -6,8 +6,8 @@ warpgroup), the key length a multiple of the key tile and a head dim of 64, 128 
 zero-padded here; the kernels' mask spec knows the true lengths and masks the padded
 keys, and padded query rows are dropped.
 
-Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window
-and a softcap, GQA/MQA, any lengths, on an sm90 GPU. `supports` names everything else.
+Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
+a softcap and ALiBi, GQA/MQA, any lengths, on an sm90 GPU. `supports` names everything else.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flashjax.params import AttentionParams, Call, Extras
 DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap")
+OPTIONS = ("window", "softcap", "alibi_slopes")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -59,36 +59,39 @@ def default_config(call: Call) -> MosaicConfig:
     return MosaicConfig.default(call.head_dim)
 
 
-def _tiling(params: AttentionParams, seq_q: int, seq_k: int, block_q: int, block_kv: int, stages: int) -> Tiling:
+def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
+            stages: int) -> Tiling:
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
-                  scale=params.scale, softcap=params.softcap)
+                  scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
-    del extras  # `supports` lets only calls without optional arrays through
+    # `supports` lets through no optional array but the ALiBi slopes.
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
-    t = _tiling(params, seq_q, seq_k, config.block_q, block_kv, config.stages)
+    t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     dim = padded_head_dim(head_dim)
     q_len = common.round_up(seq_q, COMPUTE_WGS * t.block_q)
     k_len = common.round_up(seq_k, t.block_kv)
     pad = common.pad_tokens
     o, lse2 = mosaic_fwd.forward(
-        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, config.forward_schedule(params.causal)
+        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, config.forward_schedule(params.causal),
+        extras.alibi_slopes,
     )
     return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, Extras()) given the forward's o and lse and the cotangents of both."""
-    del extras
+    """Returns (dq, dk, dv, Extras()) given the forward's o and lse and the cotangents of both
+    (the ALiBi slopes get no gradient)."""
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
-    # key tile's query range to end at the last query tile (no window).
-    accumulate = config.bwd_dq == "accumulate" and dim == 128 and params.window is None
+    # key tile's query range to end at the last query tile (no window); it has no ALiBi.
+    accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
+                  and extras.alibi_slopes is None)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
@@ -102,7 +105,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
     kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
-    t = _tiling(params, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
+    t = _tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
     if accumulate:
         dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
         dq = dq[:, :seq_q, :, :head_dim]
@@ -113,8 +116,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
             dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
         dq = (dq * params.scale).astype(q.dtype)
     else:
-        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t)
-        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv))
+        slopes = extras.alibi_slopes
+        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t, slopes)
+        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv), slopes)
         dq = dq[:, :seq_q, :, :head_dim]
     return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras()
 

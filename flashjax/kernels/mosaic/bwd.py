@@ -57,17 +57,19 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
-    query tile i. Returns dv and dS^T, float32 [block_kv, block_q]."""
+    query tile i; `slope` the query head's ALiBi slope. Returns dv and dS^T, float32
+    [block_kv, block_q]."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-    s_t, dlogits_t = common.logits(s_t, t)
+    s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=None if slope is None else i * block_q,
+                                   k_start=k_start, transposed=True)
     if masked:
         s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -87,8 +89,9 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling):
     return dv, ds_t if dlogits_t is None else ds_t * dlogits_t
 
 
-def dkv(q, k, v, do, lse2, delta, t: Tiling):
-    """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32."""
+def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
+    """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
+    slopes float32 [H] (ALiBi), given exactly when t.alibi."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
@@ -98,7 +101,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
     def q_tiles(k_block):
         return t.spec.q_range(k_block, block_q, block_kv, n_q)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
@@ -124,13 +127,13 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
 
-            def step(s, i, carry, masked: bool):
+            def step(s, i, carry, masked: bool, slope):
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
 
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
-                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t)
+                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -148,8 +151,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
 
             def head(g, carry):
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
+                slope = None if slopes_ref is None else slopes_ref[hk * group + g]
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
-                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked), carry,
+                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope), carry,
                                      t.spec.q_boundaries(k_len))
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
@@ -179,7 +183,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
 
         common.warp_specialized(_consumer, _producer)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+        slopes_ref, dk_ref, dv_ref = refs if t.alibi else (None, *refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
@@ -191,7 +196,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
         )
         ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dk_ref, dv_ref, scoped),
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             collective_axes="wg",
         )
@@ -199,11 +204,11 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling):
     return common.launch(
         entry, out_type=(k, v), pairs=k_len // (COMPUTE_WGS * block_kv), heads=kv_heads, batch=batch,
         kernel_name="flashjax_mosaic_dkv",
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *common.alibi_inputs(t, slopes))
 
 
-def dq(q, k, v, do, lse2, delta, t: Tiling):
-    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics)."""
+def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
+    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics); slopes as `dkv`'s."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
@@ -215,9 +220,10 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
     def kv_tiles(q_block):
         return t.spec.kv_range(q_block, block_q, block_kv, n_kv)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dq_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
+        slope = None if slopes_ref is None else slopes_ref[h]
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
@@ -244,7 +250,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
-                s, dlogits = common.logits(s, t)
+                s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
+                                           k_start=None if slope is None else j * block_kv)
                 if masked:
                     s = common.mask_tile(s, t.spec, q_start, j * block_kv)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
@@ -283,7 +290,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
 
         common.warp_specialized(_consumer, _producer)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+        slopes_ref, dq_ref = refs if t.alibi else (None, *refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out
@@ -300,13 +308,13 @@ def dq(q, k, v, do, lse2, delta, t: Tiling):
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dq_ref, scoped),
             smem, ready, free, collective_axes="wg",
         )
 
     return common.launch(
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *common.alibi_inputs(t, slopes))
 
 
 def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
@@ -337,6 +345,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
+    assert not t.alibi, "ALiBi runs on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

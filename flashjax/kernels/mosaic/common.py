@@ -42,6 +42,8 @@ class Tiling:
       spec: the structural mask in true (unpadded) lengths.
       scale: the logit scale.
       softcap: if set, logits = softcap * tanh(scale * q.k / softcap).
+      alibi: the kernels take ALiBi slopes (float32 [H], an input after k and v) and add
+        ``-slope * |q + offset - k|`` to the logits.
     """
 
     block_q: int
@@ -50,12 +52,19 @@ class Tiling:
     spec: MaskSpec
     scale: float
     softcap: float | None = None
+    alibi: bool = False
 
     @property
     def exp2_scale(self) -> float:
         """The factor from `score`'s logits to the base-2 exponent of the softmax: the
         scale is folded into it (one FMA per entry) unless the softcap has applied it."""
         return LOG2E if self.softcap is not None else self.scale * LOG2E
+
+
+def alibi_inputs(t: Tiling, slopes) -> tuple:
+    """The kernels' ALiBi input: (slopes,) float32 [H] with `t.alibi`, else ()."""
+    assert (slopes is not None) == t.alibi, "ALiBi slopes are given exactly when the tiling says so"
+    return (slopes.astype(jnp.float32),) if t.alibi else ()
 
 
 def smem_tiles():
@@ -214,20 +223,38 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     lax.fori_loop(lo, hi, body, None)
 
 
-def logits(s, t: Tiling):
+def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False):
     """The logits of a score tile s = Q K^T (float32, wgmma register layout), in the units
     `Tiling.exp2_scale` takes: s itself, or with a softcap ``softcap * tanh(scale * s /
-    softcap)``. Returns (logits, d logits / d s divided by the scale, or None without a
-    softcap). With `mask_tile` after it on boundary tiles, the one scoring path of the
-    Hopper kernels: the forward and both backward kernels call the pair.
+    softcap)``; with `slope` (this head's ALiBi slope) minus ``slope * |q + offset - k|`` in
+    those units, for queries [q_start, ...) and keys [k_start, ...) (`mask_tile`'s layout).
+    Returns (logits, d logits / d s divided by the scale, or None without a softcap; ALiBi
+    does not depend on s). With `mask_tile` after it on boundary tiles, the one scoring path
+    of the Hopper kernels: the forward and both backward kernels call the pair.
     """
-    if t.softcap is None:
-        return s, None
-    # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is off
-    # by ~1e-3 relative, which the softcap would multiply into the logits).
-    x = s * (t.scale / t.softcap)
-    tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-    return tanh * t.softcap, 1.0 - tanh * tanh
+    dlogits = None
+    if t.softcap is not None:
+        # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
+        # off by ~1e-3 relative, which the softcap would multiply into the logits).
+        x = s * (t.scale / t.softcap)
+        tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+        s, dlogits = tanh * t.softcap, 1.0 - tanh * tanh
+    if slope is not None:
+        rows, cols = _positions(s.shape, q_start, k_start, transposed)
+        distance = jnp.abs(rows + t.spec.offset - cols).astype(jnp.float32)
+        # Without a softcap the logits are still in units of q.k (the scale is folded into
+        # exp2_scale), so the bias is divided by the scale.
+        s = s - (slope if t.softcap is not None else slope * (1.0 / t.scale)) * distance
+    return s, dlogits
+
+
+def _positions(shape, q_start, k_start, transposed: bool):
+    """Query and key positions of each entry of a [block_q, block_kv] tile (or, transposed,
+    [block_kv, block_q]) in the wgmma register layout."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA) + q_start
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
+    return rows, cols
 
 
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):
@@ -235,9 +262,7 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):
 
     s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or
     [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed`."""
-    q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, q_dim, layout=plgpu.Layout.WGMMA) + q_start
-    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
+    rows, cols = _positions(s.shape, q_start, k_start, transposed)
     return jnp.where(spec.allowed(rows, cols), s, -jnp.inf)
 
 

@@ -59,6 +59,7 @@ class _Consumer(NamedTuple):
     turn: object  # one turn of the ping-pong schedule (a no-op without it)
     t: Tiling
     boundaries: tuple[bool, bool]  # MaskSpec.kv_boundaries: which masked parts of a range can exist
+    slope: object = None  # this head's ALiBi slope, if any
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -76,7 +77,8 @@ class _Consumer(NamedTuple):
         return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
 
     def logits(self, s, j, masked: bool):
-        s, _ = common.logits(s, self.t)
+        s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
+                             k_start=None if self.slope is None else j * self.t.block_kv)
         if masked:
             s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv)
         return s
@@ -222,7 +224,7 @@ def _at_least_one_tile(tiles: BlockRange, n_kv: int) -> BlockRange:
     return BlockRange(lo, tiles.full_lo, tiles.full_hi, jnp.maximum(tiles.hi, lo + 1))
 
 
-def forward(q, k, v, t: Tiling, schedule: str):
+def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
     """Runs the forward kernel on padded inputs.
 
     Args:
@@ -230,6 +232,7 @@ def forward(q, k, v, t: Tiling, schedule: str):
       k, v: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
+      slopes: float32 [H] ALiBi slopes, given exactly when t.alibi.
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -247,7 +250,7 @@ def forward(q, k, v, t: Tiling, schedule: str):
         tiles = t.spec.kv_range(q_block, block_q, block_kv, n_kv)
         return _at_least_one_tile(tiles, n_kv) if overlap else tiles
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, slopes_ref, o_ref, lse_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped
@@ -270,7 +273,7 @@ def forward(q, k, v, t: Tiling, schedule: str):
             acc = common.zeros((block_q, head_dim))
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
-                t.spec.kv_boundaries(k_len),
+                t.spec.kv_boundaries(k_len), None if slopes_ref is None else slopes_ref[h],
             )
 
             # The ring tiles this query tile does not read: release them in order, with
@@ -309,7 +312,8 @@ def forward(q, k, v, t: Tiling, schedule: str):
 
         common.warp_specialized(_consumer, _producer)
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        slopes_ref, o_ref, lse_ref = refs if t.alibi else (None, *refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
@@ -324,7 +328,7 @@ def forward(q, k, v, t: Tiling, schedule: str):
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, slopes_ref, o_ref, lse_ref, scoped),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
@@ -332,4 +336,4 @@ def forward(q, k, v, t: Tiling, schedule: str):
     return common.launch(
         entry, out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
         pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
-    )(q, k, v)
+    )(q, k, v, *common.alibi_inputs(t, slopes))
