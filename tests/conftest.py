@@ -186,10 +186,10 @@ def _vjp(fn, q, k, v, do, dlse):
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
-def _reference_vjp(q, k, v, do, dlse, options):
+def _reference_vjp(q, k, v, do, dlse, arrays, options):
     # Jitted: op-by-op evaluation of the oracle compiles every op for every new shape.
     up = lambda x: x.astype(jnp.float32)
-    fn = lambda q, k, v: reference.attention(q, k, v, return_lse=True, **dict(options))
+    fn = lambda q, k, v: reference.attention(q, k, v, return_lse=True, **arrays, **dict(options))
     return _vjp(fn, up(q), up(k), up(v), None if do is None else up(do), dlse)
 
 
@@ -204,29 +204,31 @@ def reference_forward(q, k, v, **kwargs):
     return _reference_forward(q, k, v, tuple(sorted(kwargs.items())))
 
 
-def reference_result(q, k, v, do=None, dlse=None, **kwargs) -> Result:
+def reference_result(q, k, v, do=None, dlse=None, *, arrays=None, **kwargs) -> Result:
     """The oracle in float32 on upcast inputs; ``None`` cotangents are zeros.
 
     Keyword arguments go to `flashjax.reference.attention` and must be static
-    (hashable): causal, scale, window, softcap.
+    (hashable): causal, scale, window, softcap; `arrays` holds the array options
+    (e.g. ``dict(alibi_slopes=...)``), traced.
     """
-    return _reference_vjp(q, k, v, do, dlse, tuple(sorted(kwargs.items())))
+    return _reference_vjp(q, k, v, do, dlse, arrays or {}, tuple(sorted(kwargs.items())))
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
-def _kernel_vjp(q, k, v, do, dlse, options):
+def _kernel_vjp(q, k, v, do, dlse, arrays, options):
     # One jit around forward and backward: a single compilation per shape, where an
     # eager jax.vjp would compile the forward, the backward and each glue op apart.
-    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, return_lse=True, **dict(options))
+    fn = lambda q, k, v: flashjax.flash_attention(q, k, v, return_lse=True, **arrays, **dict(options))
     return _vjp(fn, q, k, v, do, dlse)
 
 
-def kernel_result(q, k, v, do=None, dlse=None, *, backend="triton", **kwargs) -> Result:
+def kernel_result(q, k, v, do=None, dlse=None, *, backend="triton", arrays=None, **kwargs) -> Result:
     """`flashjax.flash_attention` (default: the Triton kernels, interpret mode on the CPU).
 
-    Keyword arguments go to `flash_attention` and must be static (hashable).
+    Keyword arguments go to `flash_attention` and must be static (hashable); `arrays`
+    holds the array options, traced.
     """
-    return _kernel_vjp(q, k, v, do, dlse, tuple(sorted(dict(kwargs, backend=backend).items())))
+    return _kernel_vjp(q, k, v, do, dlse, arrays or {}, tuple(sorted(dict(kwargs, backend=backend).items())))
 
 
 @pytest.fixture

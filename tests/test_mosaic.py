@@ -282,7 +282,7 @@ def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shap
     x = make_inputs(*shape, dtype=dtype)
     heads = shape[3]
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)  # the ALiBi paper's
-    options = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=slopes)
+    options = dict(causal=causal, window=window, softcap=softcap, arrays=dict(alibi_slopes=slopes))
     config = dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq=bwd_dq)
     got = mosaic_vjp(kernel_vjp, x, config=config, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
