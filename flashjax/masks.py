@@ -281,14 +281,15 @@ def restrict(block_range: BlockRange, lo, hi) -> BlockRange:
 
 
 class RangeRow:
-    """Row `index` of a ranges ref with a leading axis (a group's heads), read one field at a
-    time: Triton lowers `ref[g, field]`, not a view `ref.at[g]` indexed again."""
+    """Row `index` (an index or a tuple of them) of a ranges ref with leading axes, read one
+    field at a time: Triton lowers `ref[g, field]`, not a view `ref.at[g]` indexed again, and
+    the Hopper kernels read the fields as scalars from global memory."""
 
     def __init__(self, ref, index):
-        self.ref, self.index = ref, index
+        self.ref, self.index = ref, index if isinstance(index, tuple) else (index,)
 
     def __getitem__(self, field):
-        return self.ref[self.index, field]
+        return self.ref[(*self.index, field)]
 
 
 def intersect(structural: BlockRange, ranges_ref) -> BlockRange:

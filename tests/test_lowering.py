@@ -143,6 +143,9 @@ MOSAIC_CASES = [
     # ALiBi (slopes as a kernel input; "accumulate" goes to the two-kernel dQ).
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-alibi-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-alibi-softcap-window"),
+    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ).
+    pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-lengths-accumulate"),
+    pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-kv-lengths-alibi-overlap"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -156,6 +159,10 @@ MOSAIC_OPTIONS = {
 MOSAIC_EXTRAS = {
     "d128-causal-alibi-accumulate": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
     "d64-alibi-softcap-window": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
+    "d128-causal-lengths-accumulate": Extras(q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),
+                                             kv_lengths=jnp.array([300, SEQ_K], jnp.int32)),
+    "d64-kv-lengths-alibi-overlap": Extras(kv_lengths=jnp.array([0, 901], jnp.int32),
+                                           alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
 }
 
 

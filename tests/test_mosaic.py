@@ -201,7 +201,6 @@ def _arrays(dtype=BF16, d=64):
         (dict(bias=jnp.zeros((16, 16))), "bias"),
         (dict(mask=jnp.ones((16, 16), bool)), "mask"),
         (dict(segment_ids=jnp.zeros((1, 16), jnp.int32)), "segment_ids"),
-        (dict(kv_lengths=jnp.full((1,), 8, jnp.int32)), "kv_lengths"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     ],
 )
@@ -285,6 +284,32 @@ def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shap
     options = dict(causal=causal, window=window, softcap=softcap, arrays=dict(alibi_slopes=slopes))
     config = dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq=bwd_dq)
     got = mosaic_vjp(kernel_vjp, x, config=config, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
+    assert_result_close(got, want, dtype)
+
+
+LENGTHS_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, q_lengths, kv_lengths
+    pytest.param((3, 1024, 1024, 4, 2, 128), True, None, [1024, 513, 0], [1024, 513, 7], id="T1024-causal-gqa2"),
+    pytest.param((2, 1000, 1000, 4, 1, 64), False, None, None, [999, 130], id="T1000-kv-only-mqa"),
+    pytest.param((2, 300, 1000, 8, 2, 128), True, (256, None), [300, 17], [1000, 450], id="q300<k1000-causal-window"),
+    pytest.param((2, 1000, 130, 4, 4, 64), False, None, [1000, 64], None, id="q1000>k130-q-only"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,window,q_lengths,kv_lengths", LENGTHS_CASES)
+def test_lengths(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window, q_lengths,
+                 kv_lengths, dtype):
+    """q/kv lengths (padding): tiles past a row's lengths never loaded, keys past it masked,
+    padded query rows 0 with lse -inf and zero gradients; lengths 0 give empty rows."""
+    x = make_inputs(*shape, dtype=dtype)
+    arrays = {name: jnp.asarray(value, jnp.int32) for name, value in
+              (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)) if value is not None}
+    options = dict(causal=causal, window=window, arrays=arrays)
+    got = mosaic_vjp(kernel_vjp, x, config=dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq="accumulate"),
+                     **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
 

@@ -7,7 +7,8 @@ zero-padded here; the kernels' mask spec knows the true lengths and masks the pa
 keys, and padded query rows are dropped.
 
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
-a softcap and ALiBi, GQA/MQA, any lengths, on an sm90 GPU. `supports` names everything else.
+a softcap, ALiBi, q/kv lengths (padding), GQA/MQA, any sequence lengths, on an sm90 GPU.
+`supports` names everything else.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import math
 
 import jax.numpy as jnp
 
-from flashjax import backends
+from flashjax import backends, masks
 from flashjax.kernels import common
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, fwd as mosaic_fwd
-from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_dim
 from flashjax.params import AttentionParams, Call, Extras
 
 DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap", "alibi_slopes")
+OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -59,10 +60,38 @@ def default_config(call: Call) -> MosaicConfig:
     return MosaicConfig.default(call.head_dim)
 
 
+def _has_lengths(extras: Extras) -> bool:
+    return extras.q_lengths is not None or extras.kv_lengths is not None
+
+
 def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
             stages: int) -> Tiling:
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
-                  scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None)
+                  scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
+                  lengths=_has_lengths(extras))
+
+
+def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
+              by_key_block: bool = False) -> OptionalInputs:
+    """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
+    slopes, and the lengths folded into per-tile ranges (`masks.dynamic_ranges`, the Triton
+    kernels' too), by query tile or, for the dK/dV kernel, by key tile."""
+    ranges = None
+    if t.lengths:
+        ranges = masks.dynamic_ranges(
+            batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=t.block_q, block_k=t.block_kv, padded_q=q_len, padded_k=k_len,
+            q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, by_key_block=by_key_block,
+        )
+    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges)
+
+
+def _drop_padded_rows(o, lse, q_lengths):
+    """Query rows at or past a batch row's q length output 0 with lse -inf (the kernels
+    compute them as rows like any other)."""
+    if q_lengths is None:
+        return o, lse
+    valid = jnp.arange(o.shape[1], dtype=jnp.int32)[None, :] < q_lengths.astype(jnp.int32)[:, None]
+    return jnp.where(valid[:, :, None, None], o, 0.0).astype(o.dtype), jnp.where(valid[:, None, :], lse, -jnp.inf)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
@@ -78,9 +107,9 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     pad = common.pad_tokens
     o, lse2 = mosaic_fwd.forward(
         pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, config.forward_schedule(params.causal),
-        extras.alibi_slopes,
+        _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len),
     )
-    return o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2
+    return _drop_padded_rows(o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
@@ -89,9 +118,10 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
-    # key tile's query range to end at the last query tile (no window); it has no ALiBi.
+    # key tile's query range to end at the last query tile (no window); it has no ALiBi
+    # and no lengths.
     accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
-                  and extras.alibi_slopes is None)
+                  and extras.alibi_slopes is None and not _has_lengths(extras))
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
@@ -116,9 +146,10 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
             dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
         dq = (dq * params.scale).astype(q.dtype)
     else:
-        slopes = extras.alibi_slopes
-        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t, slopes)
-        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, dataclasses.replace(t, block_kv=dq_block_kv), slopes)
+        t_dq = dataclasses.replace(t, block_kv=dq_block_kv)
+        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
+                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, by_key_block=True))
+        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq, _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len))
         dq = dq[:, :seq_q, :, :head_dim]
     return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras()
 

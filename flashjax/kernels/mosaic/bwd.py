@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.mosaic import common
-from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling, loop
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, loop
 from flashjax.masks import BlockRange
 
 
@@ -57,13 +57,13 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None):
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
-    query tile i; `slope` the query head's ALiBi slope. Returns dv and dS^T, float32
-    [block_kv, block_q]."""
+    query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
+    (with lengths). Returns dv and dS^T, float32 [block_kv, block_q]."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
@@ -71,7 +71,7 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=None if slope is None else i * block_q,
                                    k_start=k_start, transposed=True)
     if masked:
-        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True)
+        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
@@ -89,21 +89,22 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     return dv, ds_t if dlogits_t is None else ds_t * dlogits_t
 
 
-def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
+def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
-    slopes float32 [H] (ALiBi), given exactly when t.alibi."""
+    `optional`: the ALiBi slopes and the lengths' ranges by key tile [B, Tkp // t.block_kv, ...]."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
     stages = t.stages
 
-    def q_tiles(k_block):
-        return t.spec.q_range(k_block, block_q, block_kv, n_q)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dk_ref, dv_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dk_ref, dv_ref, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
+
+        def q_tiles(k_block):
+            return opt.tile_range(t.spec.q_range(k_block, block_q, block_kv, n_q), b, k_block)
+
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
         pair = lax.axis_index("pair")
         # The producer streams, for every query head of the group, the query tiles either
@@ -127,13 +128,16 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
 
+            kv_length = opt.kv_length(b, k_block)
+
             def step(s, i, carry, masked: bool, slope):
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
 
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
-                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope)
+                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
+                                      kv_length=kv_length)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -151,10 +155,10 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
 
             def head(g, carry):
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
-                slope = None if slopes_ref is None else slopes_ref[hk * group + g]
+                slope = None if opt.slopes is None else opt.slopes[hk * group + g]
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
                 carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope), carry,
-                                     t.spec.q_boundaries(k_len))
+                                     t.q_boundaries(k_len))
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
 
@@ -184,7 +188,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
         common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-        slopes_ref, dk_ref, dv_ref = refs if t.alibi else (None, *refs)
+        opt, (dk_ref, dv_ref) = OptionalInputs.split(t, refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
@@ -196,7 +200,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
         )
         ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dk_ref, dv_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, scoped),
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             collective_axes="wg",
         )
@@ -204,11 +208,12 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
     return common.launch(
         entry, out_type=(k, v), pairs=k_len // (COMPUTE_WGS * block_kv), heads=kv_heads, batch=batch,
         kernel_name="flashjax_mosaic_dkv",
-    )(q, k, v, do, lse2, delta, *common.alibi_inputs(t, slopes))
+    )(q, k, v, do, lse2, delta, *optional.inputs(t))
 
 
-def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
-    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics); slopes as `dkv`'s."""
+def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
+    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics); `optional` as the
+    forward's (ranges by query tile)."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
@@ -217,13 +222,14 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
     stages = max(1, min(t.stages, n_kv))
     scale_log2 = t.exp2_scale
 
-    def kv_tiles(q_block):
-        return t.spec.kv_range(q_block, block_q, block_kv, n_kv)
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dq_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dq_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
-        slope = None if slopes_ref is None else slopes_ref[h]
+        slope = None if opt.slopes is None else opt.slopes[h]
+
+        def kv_tiles(q_block):
+            return opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
+
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
@@ -233,6 +239,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
             q_block = pair * COMPUTE_WGS + wg
             q_start = q_block * block_q
             tiles = kv_tiles(q_block)
+            kv_length = opt.kv_length(b, q_block)
             rows = pl.ds(q_start, block_q)
             own = [
                 (q_ref.at[b, rows, h], q_smem), (do_ref.at[b, rows, h], do_smem),
@@ -253,7 +260,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
                 s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
                                            k_start=None if slope is None else j * block_kv)
                 if masked:
-                    s = common.mask_tile(s, t.spec, q_start, j * block_kv)
+                    s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -273,7 +280,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
 
             free = (k_free, v_free)
             common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=(k_ready, v_ready))
-            acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.spec.kv_boundaries(k_len))
+            acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.kv_boundaries(k_len))
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages)
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
@@ -291,7 +298,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
         common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-        slopes_ref, dq_ref = refs if t.alibi else (None, *refs)
+        opt, (dq_ref,) = OptionalInputs.split(t, refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out
@@ -308,13 +315,13 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, slopes=None):
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, slopes_ref, dq_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dq_ref, scoped),
             smem, ready, free, collective_axes="wg",
         )
 
     return common.launch(
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
-    )(q, k, v, do, lse2, delta, *common.alibi_inputs(t, slopes))
+    )(q, k, v, do, lse2, delta, *optional.inputs(t))
 
 
 def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
@@ -345,7 +352,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
-    assert not t.alibi, "ALiBi runs on the two-kernel backward (dkv + dq)"
+    assert not (t.alibi or t.lengths), "ALiBi and lengths run on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

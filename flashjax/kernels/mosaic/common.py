@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from flashjax import masks
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
 
@@ -44,6 +45,10 @@ class Tiling:
       softcap: if set, logits = softcap * tanh(scale * q.k / softcap).
       alibi: the kernels take ALiBi slopes (float32 [H], an input after k and v) and add
         ``-slope * |q + offset - k|`` to the logits.
+      lengths: the kernels take the batch rows' tile ranges (int32 [B, n_tiles,
+        masks.RANGE_FIELDS] from `masks.dynamic_ranges` for q/kv lengths, the input after
+        the slopes): each tile's range is cut to them and keys past a row's kv length are
+        masked.
     """
 
     block_q: int
@@ -53,6 +58,7 @@ class Tiling:
     scale: float
     softcap: float | None = None
     alibi: bool = False
+    lengths: bool = False
 
     @property
     def exp2_scale(self) -> float:
@@ -61,10 +67,46 @@ class Tiling:
         return LOG2E if self.softcap is not None else self.scale * LOG2E
 
 
-def alibi_inputs(t: Tiling, slopes) -> tuple:
-    """The kernels' ALiBi input: (slopes,) float32 [H] with `t.alibi`, else ()."""
-    assert (slopes is not None) == t.alibi, "ALiBi slopes are given exactly when the tiling says so"
-    return (slopes.astype(jnp.float32),) if t.alibi else ()
+    def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
+        """`MaskSpec.kv_boundaries`; with lengths both parts can hold tiles."""
+        return (True, True) if self.lengths else self.spec.kv_boundaries(padded_seq_k)
+
+    def q_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
+        """`MaskSpec.q_boundaries`; with lengths both parts can hold tiles."""
+        return (True, True) if self.lengths else self.spec.q_boundaries(padded_seq_k)
+
+
+class OptionalInputs(NamedTuple):
+    """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
+    the tiling does not take it: ALiBi slopes float32 [H], and the lengths' tile ranges."""
+
+    slopes: object = None
+    ranges: object = None
+
+    def inputs(self, t: Tiling) -> tuple:
+        """The arrays, in kernel-input order, checked against the tiling."""
+        assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.lengths, (t, self)
+        slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
+        return tuple(x for x in (slopes, self.ranges) if x is not None)
+
+    @classmethod
+    def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
+        """(the optional input refs, the remaining refs: the outputs) from a kernel entry's refs
+        after its fixed inputs."""
+        refs = list(refs)
+        slopes = refs.pop(0) if t.alibi else None
+        ranges = refs.pop(0) if t.lengths else None
+        return cls(slopes, ranges), refs
+
+    def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
+        """`structural` cut to row (b, tile) of the lengths' ranges (unchanged without lengths)."""
+        if self.ranges is None:
+            return structural
+        return masks.intersect(structural, masks.RangeRow(self.ranges, (b, tile)))
+
+    def kv_length(self, b, tile):
+        """Batch row b's kv length (None without lengths: the mask spec's seq_k)."""
+        return None if self.ranges is None else self.ranges[b, tile, masks.KV_LENGTH]
 
 
 def smem_tiles():
@@ -257,13 +299,14 @@ def _positions(shape, q_start, k_start, transposed: bool):
     return rows, cols
 
 
-def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False):
+def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None):
     """-inf where a score tile in the wgmma register layout does not attend.
 
     s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or
-    [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed`."""
+    [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed` (with the batch
+    row's `kv_length`, if given)."""
     rows, cols = _positions(s.shape, q_start, k_start, transposed)
-    return jnp.where(spec.allowed(rows, cols), s, -jnp.inf)
+    return jnp.where(spec.allowed(rows, cols, kv_length), s, -jnp.inf)
 
 
 def product(a, b, shape):

@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.common import LOG2E
 from flashjax.kernels.mosaic import common
-from flashjax.kernels.mosaic.common import COMPUTE_WGS, Tiling
+from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.masks import BlockRange
 
 SCHEDULES = ("pingpong", "overlap")
@@ -58,8 +58,9 @@ class _Consumer(NamedTuple):
     stages: int
     turn: object  # one turn of the ping-pong schedule (a no-op without it)
     t: Tiling
-    boundaries: tuple[bool, bool]  # MaskSpec.kv_boundaries: which masked parts of a range can exist
+    boundaries: tuple[bool, bool]  # Tiling.kv_boundaries: which masked parts of a range can exist
     slope: object = None  # this head's ALiBi slope, if any
+    kv_length: object = None  # this batch row's kv length, with lengths
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -80,7 +81,7 @@ class _Consumer(NamedTuple):
         s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
                              k_start=None if self.slope is None else j * self.t.block_kv)
         if masked:
-            s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv)
+            s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv, kv_length=self.kv_length)
         return s
 
 
@@ -224,7 +225,7 @@ def _at_least_one_tile(tiles: BlockRange, n_kv: int) -> BlockRange:
     return BlockRange(lo, tiles.full_lo, tiles.full_hi, jnp.maximum(tiles.hi, lo + 1))
 
 
-def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
+def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs()):
     """Runs the forward kernel on padded inputs.
 
     Args:
@@ -232,7 +233,8 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
       k, v: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
-      slopes: float32 [H] ALiBi slopes, given exactly when t.alibi.
+      optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
+        [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.lengths).
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -246,13 +248,14 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
 
-    def kv_tiles(q_block):
-        tiles = t.spec.kv_range(q_block, block_q, block_kv, n_kv)
-        return _at_least_one_tile(tiles, n_kv) if overlap else tiles
-
-    def kernel(q_ref, k_ref, v_ref, slopes_ref, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, opt: OptionalInputs, o_ref, lse_ref, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
+
+        def kv_tiles(q_block):
+            tiles = opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
+            return _at_least_one_tile(tiles, n_kv) if overlap else tiles
+
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         # The producer streams the key tiles either consumer needs.
@@ -273,7 +276,7 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
             acc = common.zeros((block_q, head_dim))
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
-                t.spec.kv_boundaries(k_len), None if slopes_ref is None else slopes_ref[h],
+                t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
             )
 
             # The ring tiles this query tile does not read: release them in order, with
@@ -313,7 +316,7 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
         common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        slopes_ref, o_ref, lse_ref = refs if t.alibi else (None, *refs)
+        opt, (o_ref, lse_ref) = OptionalInputs.split(t, refs)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
@@ -328,7 +331,7 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, slopes_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, opt, o_ref, lse_ref, scoped),
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
@@ -336,4 +339,4 @@ def forward(q, k, v, t: Tiling, schedule: str, slopes=None):
     return common.launch(
         entry, out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
         pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
-    )(q, k, v, *common.alibi_inputs(t, slopes))
+    )(q, k, v, *optional.inputs(t))
