@@ -288,6 +288,19 @@ def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shap
     assert_result_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("arrays", [{"q_lengths"}, {"kv_lengths"}, {"q_lengths", "kv_lengths", "alibi_slopes"}])
+def test_lengths_are_opt_in_until_verified(arrays):
+    """The Hopper kernels run q/kv lengths (backend="mosaic"), and `auto` passes them by for
+    the Triton kernels, saying why, until the GPU suite has checked them."""
+    call = _hopper_call(arrays=frozenset(arrays))
+    assert backends.get("mosaic").supports(call) == []
+    choice = backends.choose(call)
+    assert choice.backend == "triton"
+    assert "not yet verified on a GPU (backend='mosaic' runs it)" in str(choice)
+    assert backends.choose(call, "mosaic").backend == "mosaic"
+    assert backends.choose(_hopper_call(arrays=frozenset({"alibi_slopes"}))).backend == "mosaic"
+
+
 LENGTHS_CASES = [
     # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, q_lengths, kv_lengths
     pytest.param((3, 1024, 1024, 4, 2, 128), True, None, [1024, 513, 0], [1024, 513, 7], id="T1024-causal-gqa2"),

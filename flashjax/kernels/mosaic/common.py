@@ -245,11 +245,12 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     read, so that the producer's ring stays in step. `each()` runs once per tile
     (schedule turns).
 
-    ready: the (k_ready, v_ready) barriers, for tiles *before* the consumer's own range.
-    A thread tracks each barrier's phase by counting its own waits, so a consumer that
-    will wait on a slot again must first pass through the phases of the tiles it skips
-    there; the tiles after its range need no wait (it never waits on the ring again).
-    Waiting also keeps the arrivals from running a full ring ahead of the other consumer.
+    ready: the (k_ready, v_ready) barriers to wait on first. A thread tracks each barrier's
+    phase by counting its own waits, so a consumer that will wait on a slot again (the
+    tiles *before* its own range) must first pass through the phases of the tiles it skips
+    there. Waiting also keeps the arrivals from running a full ring ahead of the other
+    consumer: without it, the two consumers' ranges must end within `stages` tiles of each
+    other (true of the causal and window ranges, not of the lengths' ones).
     """
     k_free, v_free = free
 

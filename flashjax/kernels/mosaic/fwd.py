@@ -292,7 +292,9 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
                 acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
-            skip(tiles.hi, ring_hi)
+            # With lengths one consumer's range can be empty and the other's many tiles long:
+            # released without waiting, its arrivals would run a ring ahead of the other's.
+            skip(tiles.hi, ring_hi, ready=(k_ready, v_ready) if t.lengths else ())
             pl.when(wg == 0)(take_turn)
 
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
