@@ -146,6 +146,9 @@ MOSAIC_CASES = [
     # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ).
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-lengths-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-kv-lengths-alibi-overlap"),
+    # Segment ids (the ids streamed beside K, or Q in the dK/dV kernel), with lengths.
+    pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-segments-lengths"),
+    pytest.param(4, 4, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-segments-window-overlap"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -154,6 +157,7 @@ MOSAIC_OPTIONS = {
     "d128-causal-softcap": dict(softcap=30.0),
     "d128-window-softcap-accumulate": dict(window=(64, 64), softcap=20.0),
     "d64-alibi-softcap-window": dict(softcap=30.0, window=(100, 100)),
+    "d64-segments-window-overlap": dict(window=(300, 20)),
 }
 # Extras (optional arrays) of the cases above (by id).
 MOSAIC_EXTRAS = {
@@ -163,6 +167,11 @@ MOSAIC_EXTRAS = {
                                              kv_lengths=jnp.array([300, SEQ_K], jnp.int32)),
     "d64-kv-lengths-alibi-overlap": Extras(kv_lengths=jnp.array([0, 901], jnp.int32),
                                            alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
+    "d128-causal-segments-lengths": Extras(q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
+                                           kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32),
+                                           kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
+    "d64-segments-window-overlap": Extras(q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
+                                          kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
 }
 
 

@@ -200,7 +200,6 @@ def _arrays(dtype=BF16, d=64):
     [
         (dict(bias=jnp.zeros((16, 16))), "bias"),
         (dict(mask=jnp.ones((16, 16), bool)), "mask"),
-        (dict(segment_ids=jnp.zeros((1, 16), jnp.int32)), "segment_ids"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     ],
 )
@@ -288,10 +287,11 @@ def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shap
     assert_result_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("arrays", [{"q_lengths"}, {"kv_lengths"}, {"q_lengths", "kv_lengths", "alibi_slopes"}])
-def test_lengths_are_opt_in_until_verified(arrays):
-    """The Hopper kernels run q/kv lengths (backend="mosaic"), and `auto` passes them by for
-    the Triton kernels, saying why, until the GPU suite has checked them."""
+@pytest.mark.parametrize("arrays", [{"q_lengths"}, {"kv_lengths"}, {"q_lengths", "kv_lengths", "alibi_slopes"},
+                                    {"segment_ids"}])
+def test_lengths_and_segments_are_opt_in_until_verified(arrays):
+    """The Hopper kernels run q/kv lengths and segment ids (backend="mosaic"), and `auto`
+    passes them by for the Triton kernels, saying why, until the GPU suite has checked them."""
     call = _hopper_call(arrays=frozenset(arrays))
     assert backends.get("mosaic").supports(call) == []
     choice = backends.choose(call)
@@ -323,6 +323,38 @@ def test_lengths(make_inputs, kernel_vjp, reference_vjp, assert_result_close, sh
     options = dict(causal=causal, window=window, arrays=arrays)
     got = mosaic_vjp(kernel_vjp, x, config=dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq="accumulate"),
                      **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
+    assert_result_close(got, want, dtype)
+
+
+def _documents(rng, batch: int, seq: int, docs: int):
+    """Sorted segment ids [batch, seq]: `docs` documents per row at random boundaries."""
+    cuts = np.sort(rng.choice(np.arange(1, seq), size=(batch, docs - 1), replace=True), axis=1)
+    return jnp.asarray((np.arange(seq)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+
+SEGMENT_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, documents, kv_lengths
+    pytest.param((2, 2048, 2048, 4, 2, 128), True, None, 4, None, id="T2048-causal-4docs-gqa2"),
+    pytest.param((2, 1000, 1000, 4, 1, 64), False, None, 3, None, id="T1000-3docs-mqa"),
+    pytest.param((1, 1500, 1500, 4, 4, 128), True, (200, None), 5, [1100], id="T1500-causal-window-5docs-kv-length"),
+    pytest.param((2, 777, 777, 2, 2, 64), False, None, 1, None, id="T777-one-doc"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,window,docs,kv_lengths", SEGMENT_CASES)
+def test_segments(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rng, shape, causal, window, docs,
+                  kv_lengths, dtype):
+    """Packed documents (one segment_ids array): tiles of different documents never loaded,
+    boundary tiles masked by id, with the other options."""
+    x = make_inputs(*shape, dtype=dtype)
+    arrays = dict(segment_ids=_documents(rng, shape[0], shape[1], docs))
+    if kv_lengths is not None:
+        arrays["kv_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
+    options = dict(causal=causal, window=window, arrays=arrays)
+    got = mosaic_vjp(kernel_vjp, x, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
 

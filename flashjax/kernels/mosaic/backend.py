@@ -7,7 +7,8 @@ zero-padded here; the kernels' mask spec knows the true lengths and masks the pa
 keys, and padded query rows are dropped.
 
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
-a softcap, ALiBi, q/kv lengths (padding), GQA/MQA, any sequence lengths, on an sm90 GPU.
+a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), GQA/MQA, any
+sequence lengths, on an sm90 GPU.
 `supports` names everything else; `declines` the options `auto` does not send here yet
 (UNVERIFIED_OPTIONS).
 """
@@ -29,10 +30,10 @@ from flashjax.params import AttentionParams, Call, Extras
 DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths")
+OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids")
 # Of those, the ones whose GPU tests have not yet passed: `backend="mosaic"` runs them,
 # `auto` passes them by (to the Triton kernels), saying so.
-UNVERIFIED_OPTIONS = ("q_lengths", "kv_lengths")
+UNVERIFIED_OPTIONS = ("q_lengths", "kv_lengths", "segment_ids")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -69,29 +70,44 @@ def default_config(call: Call) -> MosaicConfig:
     return MosaicConfig.default(call.head_dim)
 
 
-def _has_lengths(extras: Extras) -> bool:
-    return extras.q_lengths is not None or extras.kv_lengths is not None
+def _has_ranges(extras: Extras) -> bool:
+    """Lengths or segment ids: the kernels take per-tile ranges."""
+    return any(a is not None for a in (extras.q_lengths, extras.kv_lengths, extras.q_segment_ids))
 
 
 def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
             stages: int) -> Tiling:
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
                   scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
-                  lengths=_has_lengths(extras))
+                  ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None)
 
 
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
               by_key_block: bool = False) -> OptionalInputs:
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
-    slopes, and the lengths folded into per-tile ranges (`masks.dynamic_ranges`, the Triton
-    kernels' too), by query tile or, for the dK/dV kernel, by key tile."""
-    ranges = None
-    if t.lengths:
+    slopes, the segment ids (padded by repeating the last id, which keeps each padded
+    tile's id extent tight), and the lengths and segments folded into per-tile ranges
+    (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for the dK/dV
+    kernel, by key tile."""
+    q_seg = kv_seg = ranges = None
+    if t.segments:
+        q_seg, kv_seg = _pad_ids(extras.q_segment_ids, q_len), _pad_ids(extras.kv_segment_ids, k_len)
+    if t.ranges:
         ranges = masks.dynamic_ranges(
             batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=t.block_q, block_k=t.block_kv, padded_q=q_len, padded_k=k_len,
-            q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, by_key_block=by_key_block,
+            q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+            by_key_block=by_key_block,
         )
-    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges)
+    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+
+def _pad_ids(ids, length: int):
+    """Segment ids [B, T] int32, padded to `length` by repeating the last id."""
+    ids = ids.astype(jnp.int32)
+    if ids.shape[1] == length:
+        return ids
+    tail = jnp.broadcast_to(ids[:, -1:], (ids.shape[0], length - ids.shape[1]))
+    return jnp.concatenate([ids, tail], axis=1)
 
 
 def _drop_padded_rows(o, lse, q_lengths):
@@ -105,7 +121,7 @@ def _drop_padded_rows(o, lse, q_lengths):
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
-    # `supports` lets through no optional array but the ALiBi slopes.
+    # `supports` lets through the ALiBi slopes, the lengths and the segment ids.
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
@@ -127,10 +143,10 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
-    # key tile's query range to end at the last query tile (no window); it has no ALiBi
-    # and no lengths.
+    # key tile's query range to end at the last query tile (no window); it has no ALiBi,
+    # lengths or segments.
     accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
-                  and extras.alibi_slopes is None and not _has_lengths(extras))
+                  and extras.alibi_slopes is None and not _has_ranges(extras))
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))

@@ -57,13 +57,15 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None):
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
+               kv_seg=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
     query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
-    (with lengths). Returns dv and dS^T, float32 [block_kv, block_q]."""
+    (with ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
+    tiles with segments). Returns dv and dS^T, float32 [block_kv, block_q]."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
@@ -71,7 +73,8 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=None if slope is None else i * block_q,
                                    k_start=k_start, transposed=True)
     if masked:
-        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length)
+        s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length, q_seg=q_seg,
+                               kv_seg=kv_seg)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
@@ -91,7 +94,8 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
-    `optional`: the ALiBi slopes and the lengths' ranges by key tile [B, Tkp // t.block_kv, ...]."""
+    `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...] and the
+    segment ids."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
@@ -105,7 +109,10 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         def q_tiles(k_block):
             return opt.tile_range(t.spec.q_range(k_block, block_q, block_kv, n_q), b, k_block)
 
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped[:3]
+        # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
+        kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
+        ring_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if t.segments else ())
         pair = lax.axis_index("pair")
         # The producer streams, for every query head of the group, the query tiles either
         # consumer's key tile meets.
@@ -123,9 +130,15 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
             plgpu.barrier_wait(kv_ready.at[wg])
             plgpu.barrier_wait(kv_ready.at[COMPUTE_WGS + wg])
+            kv_seg = None
+            if t.segments:
+                plgpu.copy_gmem_to_smem(opt.kv_segment_ids.at[b, pl.ds(k_start, block_kv)], kv_seg_smem2.at[wg],
+                                        kv_seg_ready.at[wg])
+                plgpu.barrier_wait(kv_seg_ready.at[wg])
+                kv_seg = common.segment_vector(kv_seg_smem2.at[wg], 0)  # keys: dim 0 of S^T
 
             def wait_inputs(slot):
-                for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                for ready in ring_ready:
                     plgpu.barrier_wait(ready.at[slot])
 
             kv_length = opt.kv_length(b, k_block)
@@ -136,8 +149,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 wait_inputs(slot)
 
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+                q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
                 dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
-                                      kv_length=kv_length)
+                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -172,6 +186,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 slot = lax.rem(s, stages)
                 h = hk * group + lax.div(s, per_head)
                 rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
+                if t.segments:
+                    plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem.at[slot], q_seg_ready.at[slot])
                 _load_query_tile(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
                     (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
@@ -202,7 +218,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, scoped),
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            collective_axes="wg",
+            *common.segment_scratch(t, block_kv, block_q, stages), collective_axes="wg",
         )
 
     return common.launch(
@@ -230,7 +246,10 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         def kv_tiles(q_block):
             return opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
 
-        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped
+        (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped[:3]
+        # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
+        q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[3] if t.segments else (None,) * 4
+        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ())
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
@@ -251,16 +270,26 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 plgpu.barrier_wait(own_ready.at[4 * wg + n])
             lse = plgpu.load(lse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            q_seg = None
+            if t.segments:
+                plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg])
+                plgpu.barrier_wait(q_seg_ready.at[wg])
+                q_seg = common.segment_vector(q_seg_smem2.at[wg], 0)
 
             def step(j, acc, masked: bool):
                 slot = lax.rem(j - ring_lo, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
+                kv_seg = None
+                if t.segments:  # every tile passes the barrier's phase; masked ones read the ids
+                    plgpu.barrier_wait(kv_seg_ready.at[slot])
+                    kv_seg = common.segment_vector(kv_seg_smem.at[slot], 1) if masked else None
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
                                            k_start=None if slope is None else j * block_kv)
                 if masked:
-                    s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length)
+                    s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
+                                         kv_seg=kv_seg)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -279,10 +308,10 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 return acc
 
             free = (k_free, v_free)
-            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=(k_ready, v_ready))
+            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=ring_ready)
             acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.kv_boundaries(k_len))
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages,
-                              ready=(k_ready, v_ready) if t.lengths else ())  # as in the forward
+                              ready=ring_ready if t.ranges else ())  # as in the forward
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -290,10 +319,13 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
         def _producer():
             kv_head = lax.div(h, group)
+            segments = None
+            if t.segments:
+                segments = (lambda j: opt.kv_segment_ids.at[b, pl.ds(j * block_kv, block_kv)], kv_seg_smem, kv_seg_ready)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), (k_free, v_free),
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
-                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv, segments=segments,
             )
 
         common.warp_specialized(_consumer, _producer)
@@ -317,7 +349,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dq_ref, scoped),
-            smem, ready, free, collective_axes="wg",
+            smem, ready, free, *common.segment_scratch(t, block_q, block_kv, stages), collective_axes="wg",
         )
 
     return common.launch(
@@ -353,7 +385,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
-    assert not (t.alibi or t.lengths), "ALiBi and lengths run on the two-kernel backward (dkv + dq)"
+    assert not (t.alibi or t.ranges), "ALiBi, lengths and segments run on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

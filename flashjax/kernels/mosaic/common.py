@@ -45,10 +45,11 @@ class Tiling:
       softcap: if set, logits = softcap * tanh(scale * q.k / softcap).
       alibi: the kernels take ALiBi slopes (float32 [H], an input after k and v) and add
         ``-slope * |q + offset - k|`` to the logits.
-      lengths: the kernels take the batch rows' tile ranges (int32 [B, n_tiles,
-        masks.RANGE_FIELDS] from `masks.dynamic_ranges` for q/kv lengths, the input after
-        the slopes): each tile's range is cut to them and keys past a row's kv length are
-        masked.
+      ranges: the kernels take per-tile ranges (int32 [B, n_tiles, masks.RANGE_FIELDS]
+        from `masks.dynamic_ranges`, for q/kv lengths and segment ids; the input after the
+        slopes): each tile's range is cut to them and keys past a row's kv length masked.
+      segments: the kernels take q and kv segment ids (int32 [B, Tqp], [B, Tkp], after the
+        ranges) and mask the pairs of different ids on boundary tiles.
     """
 
     block_q: int
@@ -58,7 +59,8 @@ class Tiling:
     scale: float
     softcap: float | None = None
     alibi: bool = False
-    lengths: bool = False
+    ranges: bool = False
+    segments: bool = False
 
     @property
     def exp2_scale(self) -> float:
@@ -66,28 +68,31 @@ class Tiling:
         scale is folded into it (one FMA per entry) unless the softcap has applied it."""
         return LOG2E if self.softcap is not None else self.scale * LOG2E
 
-
     def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
-        """`MaskSpec.kv_boundaries`; with lengths both parts can hold tiles."""
-        return (True, True) if self.lengths else self.spec.kv_boundaries(padded_seq_k)
+        """`MaskSpec.kv_boundaries`; with ranges both parts can hold tiles."""
+        return (True, True) if self.ranges else self.spec.kv_boundaries(padded_seq_k)
 
     def q_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
-        """`MaskSpec.q_boundaries`; with lengths both parts can hold tiles."""
-        return (True, True) if self.lengths else self.spec.q_boundaries(padded_seq_k)
+        """`MaskSpec.q_boundaries`; with ranges both parts can hold tiles."""
+        return (True, True) if self.ranges else self.spec.q_boundaries(padded_seq_k)
 
 
 class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
-    the tiling does not take it: ALiBi slopes float32 [H], and the lengths' tile ranges."""
+    the tiling does not take it: ALiBi slopes float32 [H], the tile ranges of lengths and
+    segments, and the segment ids int32 [B, Tqp] and [B, Tkp]."""
 
     slopes: object = None
     ranges: object = None
+    q_segment_ids: object = None
+    kv_segment_ids: object = None
 
     def inputs(self, t: Tiling) -> tuple:
         """The arrays, in kernel-input order, checked against the tiling."""
-        assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.lengths, (t, self)
+        assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.ranges, (t, self)
+        assert (self.q_segment_ids is not None) == (self.kv_segment_ids is not None) == t.segments, (t, self)
         slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
-        return tuple(x for x in (slopes, self.ranges) if x is not None)
+        return tuple(x for x in (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids) if x is not None)
 
     @classmethod
     def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
@@ -95,17 +100,18 @@ class OptionalInputs(NamedTuple):
         after its fixed inputs."""
         refs = list(refs)
         slopes = refs.pop(0) if t.alibi else None
-        ranges = refs.pop(0) if t.lengths else None
-        return cls(slopes, ranges), refs
+        ranges = refs.pop(0) if t.ranges else None
+        q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if t.segments else (None, None)
+        return cls(slopes, ranges, q_seg, kv_seg), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
-        """`structural` cut to row (b, tile) of the lengths' ranges (unchanged without lengths)."""
+        """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
         if self.ranges is None:
             return structural
         return masks.intersect(structural, masks.RangeRow(self.ranges, (b, tile)))
 
     def kv_length(self, b, tile):
-        """Batch row b's kv length (None without lengths: the mask spec's seq_k)."""
+        """Batch row b's kv length (None without ranges: the mask spec's seq_k)."""
         return None if self.ranges is None else self.ranges[b, tile, masks.KV_LENGTH]
 
 
@@ -214,19 +220,25 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
     )
 
 
-def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int):
+def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
+              segments=None):
     """The producer's loop: TMA copies of the K and V tiles [lo, hi) into a ring of
     `stages` slots, tile j into slot (j - lo) % stages.
 
     ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
-    gmem refs at key tile j."""
+    gmem refs at key tile j. segments: (ids_at(j), ring [stages, block_kv] int32, ready
+    barriers): the key tile's segment ids, copied beside K (the consumers read them before
+    they release K)."""
     k_ready, v_ready = ready
     k_free, v_free = free
 
     def load(j, slot, wait: bool):
         if wait:
             plgpu.barrier_wait(k_free.at[slot])
+        if segments is not None:
+            ids_at, ids_smem, ids_ready = segments
+            plgpu.copy_gmem_to_smem(ids_at(j), ids_smem.at[slot], ids_ready.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[at(j)], k_smem.at[slot], k_ready.at[slot])
         if wait:
             plgpu.barrier_wait(v_free.at[slot])
@@ -300,14 +312,40 @@ def _positions(shape, q_start, k_start, transposed: bool):
     return rows, cols
 
 
-def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None):
+def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None, q_seg=None,
+              kv_seg=None):
     """-inf where a score tile in the wgmma register layout does not attend.
 
     s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or
     [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed` (with the batch
-    row's `kv_length`, if given)."""
+    row's `kv_length`, if given), and with segment ids (`segment_vector`s of the tile's
+    queries and keys) equal ids."""
     rows, cols = _positions(s.shape, q_start, k_start, transposed)
-    return jnp.where(spec.allowed(rows, cols, kv_length), s, -jnp.inf)
+    allowed = spec.allowed(rows, cols, kv_length)
+    if q_seg is not None:
+        q_dim, k_dim = (1, 0) if transposed else (0, 1)
+        allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
+    return jnp.where(allowed, s, -jnp.inf)
+
+
+def segment_scratch(t: Tiling, own_rows: int, streamed: int, stages: int) -> tuple:
+    """With segments, one more scoped allocation for a kernel that keeps COMPUTE_WGS tiles of
+    `own_rows` rows and streams tiles of `streamed` rows of the other operand through a ring
+    of `stages`: (own ids, ring of ids, own ids' barriers, ring's barriers). Without
+    segments, nothing."""
+    if not t.segments:
+        return ()
+    return ((
+        plgpu.SMEM((COMPUTE_WGS, own_rows), jnp.int32),
+        plgpu.SMEM((stages, streamed), jnp.int32),
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_barriers=stages),
+    ),)
+
+
+def segment_vector(smem, dim: int):
+    """Segment ids [n] from shared memory in the layout of dim `dim` of a wgmma score tile."""
+    return plgpu.load(smem, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
 
 
 def product(a, b, shape):

@@ -60,10 +60,22 @@ class _Consumer(NamedTuple):
     t: Tiling
     boundaries: tuple[bool, bool]  # Tiling.kv_boundaries: which masked parts of a range can exist
     slope: object = None  # this head's ALiBi slope, if any
-    kv_length: object = None  # this batch row's kv length, with lengths
+    kv_length: object = None  # this batch row's kv length, with ranges
+    q_seg: object = None  # the query tile's segment ids (`common.segment_vector`), with segments
+    kv_seg_smem: object = None  # the ring of the key tiles' segment ids, and its ready barriers
+    kv_seg_ready: object = None
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
+
+    def kv_segments(self, slot, masked: bool):
+        """The segment ids of the key tile in `slot` (None without segments or on an unmasked
+        tile). Every tile waits for them (a thread counts barrier phases by its own waits),
+        before S = Q K^T, whose wait releases the slot."""
+        if self.kv_seg_smem is None:
+            return None
+        plgpu.barrier_wait(self.kv_seg_ready.at[slot])
+        return common.segment_vector(self.kv_seg_smem.at[slot], 1) if masked else None
 
     def scores(self, slot):
         """S = Q K^T for the key tile in `slot`, waited for, with the other consumer's
@@ -77,11 +89,12 @@ class _Consumer(NamedTuple):
 
         return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
 
-    def logits(self, s, j, masked: bool):
+    def logits(self, s, j, masked: bool, kv_seg=None):
         s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
                              k_start=None if self.slope is None else j * self.t.block_kv)
         if masked:
-            s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv, kv_length=self.kv_length)
+            s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv, kv_length=self.kv_length,
+                                 q_seg=self.q_seg, kv_seg=kv_seg)
         return s
 
 
@@ -116,9 +129,10 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
     def step(j, carry, masked: bool):
         acc, m, l = carry
         slot = c.slot(j)
+        kv_seg = c.kv_segments(slot, masked)
         s = c.scores(slot)
         plgpu.barrier_arrive(c.k_free.at[slot])
-        s = c.logits(s, j, masked)
+        s = c.logits(s, j, masked, kv_seg)
         m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
@@ -166,9 +180,10 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
 
     first = c.slot(tiles.lo)
     plgpu.barrier_wait(c.k_ready.at[first])
+    kv_seg = c.kv_segments(first, True)
     s = c.scores(first)
     plgpu.barrier_arrive(c.k_free.at[first])
-    s = c.logits(s, tiles.lo, masked=True)
+    s = c.logits(s, tiles.lo, True, kv_seg)
     m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
     l = p.sum(axis=1)
     p16 = p.astype(dtype)
@@ -179,6 +194,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
         slot, prev = c.slot(j), c.slot(j - 1)
         plgpu.barrier_wait(c.k_ready.at[slot])
         plgpu.barrier_wait(c.v_ready.at[prev])
+        kv_seg = c.kv_segments(slot, masked)
 
         def body(s_ref, acc_ref):
             acc_ref[...] = acc
@@ -193,7 +209,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             if masked:
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
                 plgpu.barrier_arrive(c.v_free.at[prev])
-            s = c.logits(s, j, masked)
+            s = c.logits(s, j, masked, kv_seg)
             m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
             l_new = l * alpha + p.sum(axis=1)
             p16_new = p.astype(dtype)
@@ -234,7 +250,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
       optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
-        [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.lengths).
+        [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids.
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -256,7 +272,10 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             tiles = opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
             return _at_least_one_tile(tiles, n_kv) if overlap else tiles
 
-        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped
+        (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped[:4]
+        # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
+        q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[4] if t.segments else (None,) * 4
+        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ())
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         # The producer streams the key tiles either consumer needs.
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
@@ -274,9 +293,16 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = common.zeros((block_q, head_dim))
+            q_seg = None
+            if t.segments:
+                rows = pl.ds(q_start, block_q)
+                plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg])
+                plgpu.barrier_wait(q_seg_ready.at[wg])
+                q_seg = common.segment_vector(q_seg_smem2.at[wg], 0)
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
+                q_seg, kv_seg_smem, kv_seg_ready,
             )
 
             # The ring tiles this query tile does not read: release them in order, with
@@ -287,14 +313,14 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
 
             # Offset the two consumers by half a step: wg 1 starts one turn late.
             pl.when(wg == 1)(take_turn)
-            skip(ring_lo, tiles.lo, ready=(k_ready, v_ready))
+            skip(ring_lo, tiles.lo, ready=ring_ready)
             if overlap:
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
                 acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
-            # With lengths one consumer's range can be empty and the other's many tiles long:
+            # With ranges one consumer's range can be empty and the other's many tiles long:
             # released without waiting, its arrivals would run a ring ahead of the other's.
-            skip(tiles.hi, ring_hi, ready=(k_ready, v_ready) if t.lengths else ())
+            skip(tiles.hi, ring_hi, ready=ring_ready if t.ranges else ())
             pl.when(wg == 0)(take_turn)
 
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
@@ -309,10 +335,13 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
 
         def _producer():
             kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
+            segments = None
+            if t.segments:
+                segments = (lambda j: opt.kv_segment_ids.at[b, pl.ds(j * block_kv, block_kv)], kv_seg_smem, kv_seg_ready)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
-                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv, segments=segments,
             )
 
         common.warp_specialized(_consumer, _producer)
@@ -334,7 +363,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, v_ref, opt, o_ref, lse_ref, scoped),
-            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *common.segment_scratch(t, block_q, block_kv, stages),
             collective_axes="wg",
         )
 
