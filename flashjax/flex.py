@@ -467,7 +467,6 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
 def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):
     """The int8 [Bm, Hm, n_q, n_k] classes of `BlockMask.blocks`, for a traced mask_mod and its
     closed-over arrays."""
-    fn = mod.bind(consts)
     n_batch = batch if mod.uses_batch else 1
     n_heads = heads if mod.uses_head else 1
     n_q, n_k = -(-q_len // block_q), -(-kv_len // block_k)
@@ -482,7 +481,8 @@ def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, 
         rows = qi * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]
         cols = c * (chunk * block_k) + jnp.arange(chunk * block_k, dtype=jnp.int32)[None, :]
         valid = (rows < q_len) & (cols < kv_len)
-        attend = elementwise(fn, b, h, rows, cols)
+        # Each value at the shape of what it depends on (a row's document id once per row).
+        attend = _evaluate_tile(mod.jaxpr, tuple(consts), (b, h, rows, cols))[0]
         nonempty = jnp.any((attend & valid).reshape(block_q, chunk, block_k), axis=(0, 2))
         full = jnp.all((attend | ~valid).reshape(block_q, chunk, block_k), axis=(0, 2))
         return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)
