@@ -68,6 +68,14 @@ class Tiling:
         scale is folded into it (one FMA per entry) unless the softcap has applied it."""
         return LOG2E if self.softcap is not None else self.scale * LOG2E
 
+    @property
+    def skips_wait(self) -> bool:
+        """Whether a consumer waits on the ring tiles after its own range before releasing
+        them (`release_kv`). Without a window or ranges the two consumers' key ranges end
+        within a tile of each other and the causal schedule keeps them in step, so the
+        release needs no wait; with them one range can end many tiles before the other's."""
+        return self.ranges or self.spec.window_left is not None or self.spec.window_right is not None
+
     def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
         """`MaskSpec.kv_boundaries`; with ranges both parts can hold tiles."""
         return (True, True) if self.ranges else self.spec.kv_boundaries(padded_seq_k)
@@ -260,9 +268,8 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     ready: the (k_ready, v_ready) barriers to wait on first. A thread tracks each barrier's
     phase by counting its own waits, so a consumer that will wait on a slot again (the
     tiles *before* its own range) must first pass through the phases of the tiles it skips
-    there. Waiting also keeps the arrivals from running a full ring ahead of the other
-    consumer: without it, the two consumers' ranges must end within `stages` tiles of each
-    other (true of the causal and window ranges, not of the lengths' ones).
+    there. Waiting also keeps the arrivals from running a ring ahead of the other
+    consumer's reads: without it, the other consumer must not lag (`Tiling.skips_wait`).
     """
     k_free, v_free = free
 

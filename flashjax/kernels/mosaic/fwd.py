@@ -318,9 +318,9 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
                 acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
-            # With ranges one consumer's range can be empty and the other's many tiles long:
-            # released without waiting, its arrivals would run a ring ahead of the other's.
-            skip(tiles.hi, ring_hi, ready=ring_ready if t.ranges else ())
+            # With a window or ranges one consumer's range can end tiles before the other's:
+            # released without waiting, its arrivals could run a ring ahead of the other's reads.
+            skip(tiles.hi, ring_hi, ready=ring_ready if t.skips_wait else ())
             pl.when(wg == 0)(take_turn)
 
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
