@@ -311,7 +311,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
             common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=ring_ready)
             acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.kv_boundaries(k_len))
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages,
-                              ready=ring_ready if t.skips_wait else ())  # as in the forward
+                              ready=ring_ready if common.upper_skips_wait(t, lockstep=False) else ())
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])

@@ -68,14 +68,6 @@ class Tiling:
         scale is folded into it (one FMA per entry) unless the softcap has applied it."""
         return LOG2E if self.softcap is not None else self.scale * LOG2E
 
-    @property
-    def skips_wait(self) -> bool:
-        """Whether a consumer waits on the ring tiles after its own range before releasing
-        them (`release_kv`). Without a window or ranges the two consumers' key ranges end
-        within a tile of each other and the causal schedule keeps them in step, so the
-        release needs no wait; with them one range can end many tiles before the other's."""
-        return self.ranges or self.spec.window_left is not None or self.spec.window_right is not None
-
     def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
         """`MaskSpec.kv_boundaries`; with ranges both parts can hold tiles."""
         return (True, True) if self.ranges else self.spec.kv_boundaries(padded_seq_k)
@@ -260,6 +252,19 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
         load(j, lax.rem(j - lo, stages), wait=True)
 
 
+def upper_skips_wait(t: Tiling, *, lockstep: bool) -> bool:
+    """Whether a consumer waits on the ring tiles after its own key range before releasing
+    them (`release_kv`). The two consumers' ranges end at the same tile unless a causal
+    mask, a right window or ranges cut them; where they differ, the consumer that ends first
+    would otherwise arrive on a slot's free barrier twice while the other may still read
+    the slot's earlier tile. Only the forward's ping-pong schedule (`lockstep`) keeps the
+    consumers within a step of each other, and only without ranges or a window (which
+    let one range end many tiles before the other's)."""
+    if t.ranges or t.spec.window_left is not None or t.spec.window_right is not None:
+        return True
+    return t.spec.right is not None and not lockstep
+
+
 def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     """A consumer's arrivals on the free barriers of the ring tiles [lo, hi) it does not
     read, so that the producer's ring stays in step. `each()` runs once per tile
@@ -269,7 +274,7 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     phase by counting its own waits, so a consumer that will wait on a slot again (the
     tiles *before* its own range) must first pass through the phases of the tiles it skips
     there. Waiting also keeps the arrivals from running a ring ahead of the other
-    consumer's reads: without it, the other consumer must not lag (`Tiling.skips_wait`).
+    consumer's reads: without it, the other consumer must not lag (`upper_skips_wait`).
     """
     k_free, v_free = free
 

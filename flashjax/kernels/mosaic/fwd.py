@@ -318,9 +318,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
                 acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
-            # With a window or ranges one consumer's range can end tiles before the other's:
-            # released without waiting, its arrivals could run a ring ahead of the other's reads.
-            skip(tiles.hi, ring_hi, ready=ring_ready if t.skips_wait else ())
+            # Released without waiting only where the two ranges end in step (upper_skips_wait).
+            skip(tiles.hi, ring_hi, ready=ring_ready if common.upper_skips_wait(t, lockstep=not overlap) else ())
             pl.when(wg == 0)(take_turn)
 
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
