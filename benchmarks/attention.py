@@ -62,6 +62,7 @@ from flashjax.benchmark import (  # noqa: E402  (the protocol: flashjax/benchmar
     median_time,
     parse_list,
     parse_seq,
+    problems,
     record,
     results_path,
     save_results,
@@ -396,12 +397,6 @@ def table(cells: dict, impls: list[str] | None = None) -> str:
 
 # How a cell that was not measured shows in the table.
 STATUS_MARK = {"unsupported": "n/a", "unavailable": "n/a", "error": "err", "mismatch": "MISMATCH", "oom": "oom", "skipped": "skip"}
-
-
-def problems(entries: list[dict]) -> str:
-    bad = [e for e in entries if e["status"] not in ("ok", "unsupported", "unavailable")]
-    return "\n".join(f"  {cell_key(e['config'], e['seq'], e['causal'], e['mode'], e['impl'])}: "
-                     f"{e['status']} {e.get('error', '')[:160]}" for e in bad)
 
 
 # ---- main -----------------------------------------------------------------------------

@@ -811,12 +811,6 @@ def bars(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def problems(entries: list[dict]) -> str:
-    bad = [e for e in entries if e["status"] not in ("ok", "unsupported", "unavailable")]
-    return "\n".join(f"  {benchmark.cell_key(e['config'], e['seq'], e['causal'], e['mode'], e['impl'])}: "
-                     f"{e['status']} {e.get('error', '')[:160]}" for e in bad)
-
-
 # ---- main ------------------------------------------------------------------------------------------
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Command-line flags, shared by this benchmark and benchmarks/torch_flex.py."""
@@ -913,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{device} | jax {jax.__version__} | torch {results.get('torch', '-')} | bf16, H={sizes.heads}, "
           f"D={sizes.head_dim}, {sizes.tokens} tokens per batch, backend triton | {time.perf_counter() - start:.0f} s")
     print(report(results["summary"]))
-    issues = problems(new_entries)
+    issues = benchmark.problems(new_entries)
     if issues:
         print("not measured:\n" + issues)
     print(f"results: {path}")

@@ -129,6 +129,13 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def problems(entries: list[dict]) -> str:
+    """One line per cell that was neither measured nor declared unsupported/unavailable."""
+    bad = [e for e in entries if e["status"] not in ("ok", "unsupported", "unavailable")]
+    return "\n".join(f"  {cell_key(e['config'], e['seq'], e['causal'], e['mode'], e['impl'])}: "
+                     f"{e['status']} {e.get('error', '')[:160]}" for e in bad)
+
+
 def short_error(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
     return text[:300]

@@ -26,6 +26,17 @@ def pad_tokens(x, length: int, head_dim: int):
     return jnp.pad(x, ((0, 0), (0, pad_t), (0, 0), (0, pad_d)))
 
 
+def pad_segment_ids(ids, length: int):
+    """Segment ids [B, T] as int32 [B, length], padded by repeating the last id (which keeps
+    each padded tile's id extent tight); written as a concatenation, where jnp.pad's edge
+    mode builds zero-size temporaries."""
+    ids = ids.astype(jnp.int32)
+    if ids.shape[1] == length:
+        return ids
+    tail = jnp.broadcast_to(ids[:, -1:], (ids.shape[0], length - ids.shape[1]))
+    return jnp.concatenate([ids, tail], axis=1)
+
+
 def backward_rows(o, do, lse, dlse, q_len: int):
     """The backward kernels' per-row inputs: (lse2, delta), float32 [B, H, q_len].
 

@@ -85,13 +85,13 @@ def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, blo
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
               by_key_block: bool = False) -> OptionalInputs:
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
-    slopes, the segment ids (padded by repeating the last id, which keeps each padded
-    tile's id extent tight), and the lengths and segments folded into per-tile ranges
+    slopes, the segment ids (`common.pad_segment_ids`), and the lengths and segments folded into per-tile ranges
     (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for the dK/dV
     kernel, by key tile."""
     q_seg = kv_seg = ranges = None
     if t.segments:
-        q_seg, kv_seg = _pad_ids(extras.q_segment_ids, q_len), _pad_ids(extras.kv_segment_ids, k_len)
+        q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
+        kv_seg = common.pad_segment_ids(extras.kv_segment_ids, k_len)
     if t.ranges:
         ranges = masks.dynamic_ranges(
             batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=t.block_q, block_k=t.block_kv, padded_q=q_len, padded_k=k_len,
@@ -99,15 +99,6 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             by_key_block=by_key_block,
         )
     return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-
-
-def _pad_ids(ids, length: int):
-    """Segment ids [B, T] int32, padded to `length` by repeating the last id."""
-    ids = ids.astype(jnp.int32)
-    if ids.shape[1] == length:
-        return ids
-    tail = jnp.broadcast_to(ids[:, -1:], (ids.shape[0], length - ids.shape[1]))
-    return jnp.concatenate([ids, tail], axis=1)
 
 
 def _drop_padded_rows(o, lse, q_lengths):

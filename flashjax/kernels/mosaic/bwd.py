@@ -131,11 +131,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             plgpu.barrier_wait(kv_ready.at[wg])
             plgpu.barrier_wait(kv_ready.at[COMPUTE_WGS + wg])
             kv_seg = None
-            if t.segments:
-                plgpu.copy_gmem_to_smem(opt.kv_segment_ids.at[b, pl.ds(k_start, block_kv)], kv_seg_smem2.at[wg],
-                                        kv_seg_ready.at[wg])
-                plgpu.barrier_wait(kv_seg_ready.at[wg])
-                kv_seg = common.segment_vector(kv_seg_smem2.at[wg], 0)  # keys: dim 0 of S^T
+            if t.segments:  # keys: dim 0 of S^T
+                kv_seg = common.own_segment_ids(opt.kv_segment_ids.at[b, pl.ds(k_start, block_kv)],
+                                                kv_seg_smem2.at[wg], kv_seg_ready.at[wg], 0)
 
             def wait_inputs(slot):
                 for ready in ring_ready:
@@ -272,17 +270,12 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
             delta = plgpu.load(delta_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
             q_seg = None
             if t.segments:
-                plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg])
-                plgpu.barrier_wait(q_seg_ready.at[wg])
-                q_seg = common.segment_vector(q_seg_smem2.at[wg], 0)
+                q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg], 0)
 
             def step(j, acc, masked: bool):
                 slot = lax.rem(j - ring_lo, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
-                kv_seg = None
-                if t.segments:  # every tile passes the barrier's phase; masked ones read the ids
-                    plgpu.barrier_wait(kv_seg_ready.at[slot])
-                    kv_seg = common.segment_vector(kv_seg_smem.at[slot], 1) if masked else None
+                kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
@@ -319,13 +312,11 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
         def _producer():
             kv_head = lax.div(h, group)
-            segments = None
-            if t.segments:
-                segments = (lambda j: opt.kv_segment_ids.at[b, pl.ds(j * block_kv, block_kv)], kv_seg_smem, kv_seg_ready)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), (k_free, v_free),
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
-                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv, segments=segments,
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+                segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
             )
 
         common.warp_specialized(_consumer, _producer)

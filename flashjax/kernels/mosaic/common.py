@@ -227,9 +227,9 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
 
     ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
-    gmem refs at key tile j. segments: (ids_at(j), ring [stages, block_kv] int32, ready
-    barriers): the key tile's segment ids, copied beside K (the consumers read them before
-    they release K)."""
+    gmem refs at key tile j. segments: (ids [B, Tkp] int32 gmem ref, ring [stages,
+    block_kv] int32, ready barriers): the key tile's segment ids (at at(j)'s batch row and
+    keys), copied beside K (the consumers read them before they release K)."""
     k_ready, v_ready = ready
     k_free, v_free = free
 
@@ -237,8 +237,8 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
         if wait:
             plgpu.barrier_wait(k_free.at[slot])
         if segments is not None:
-            ids_at, ids_smem, ids_ready = segments
-            plgpu.copy_gmem_to_smem(ids_at(j), ids_smem.at[slot], ids_ready.at[slot])
+            ids, ids_smem, ids_ready = segments
+            plgpu.copy_gmem_to_smem(ids.at[at(j)[:2]], ids_smem.at[slot], ids_ready.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[at(j)], k_smem.at[slot], k_ready.at[slot])
         if wait:
             plgpu.barrier_wait(v_free.at[slot])
@@ -358,6 +358,22 @@ def segment_scratch(t: Tiling, own_rows: int, streamed: int, stages: int) -> tup
 def segment_vector(smem, dim: int):
     """Segment ids [n] from shared memory in the layout of dim `dim` of a wgmma score tile."""
     return plgpu.load(smem, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+
+
+def own_segment_ids(src, smem, barrier, dim: int):
+    """A consumer's own tile's segment ids: copied from `src` (gmem) once, waited for, and
+    loaded in the layout of dim `dim` of its score tiles."""
+    plgpu.copy_gmem_to_smem(src, smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return segment_vector(smem, dim)
+
+
+def ring_segment_ids(smem, ready, slot, dim: int, masked: bool):
+    """The segment ids of the streamed tile in ring `slot`, for a masked tile (None for an
+    unmasked one). Every tile waits on the slot's ready barrier: a thread counts barrier
+    phases by its own waits."""
+    plgpu.barrier_wait(ready.at[slot])
+    return segment_vector(smem.at[slot], dim) if masked else None
 
 
 def product(a, b, shape):

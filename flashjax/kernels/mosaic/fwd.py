@@ -69,13 +69,11 @@ class _Consumer(NamedTuple):
         return lax.rem(j - self.ring_lo, self.stages)
 
     def kv_segments(self, slot, masked: bool):
-        """The segment ids of the key tile in `slot` (None without segments or on an unmasked
-        tile). Every tile waits for them (a thread counts barrier phases by its own waits),
-        before S = Q K^T, whose wait releases the slot."""
+        """The segment ids of the key tile in `slot` (`common.ring_segment_ids`; None without
+        segments), read before S = Q K^T, whose wait releases the slot."""
         if self.kv_seg_smem is None:
             return None
-        plgpu.barrier_wait(self.kv_seg_ready.at[slot])
-        return common.segment_vector(self.kv_seg_smem.at[slot], 1) if masked else None
+        return common.ring_segment_ids(self.kv_seg_smem, self.kv_seg_ready, slot, 1, masked)
 
     def scores(self, slot):
         """S = Q K^T for the key tile in `slot`, waited for, with the other consumer's
@@ -295,10 +293,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             acc = common.zeros((block_q, head_dim))
             q_seg = None
             if t.segments:
-                rows = pl.ds(q_start, block_q)
-                plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg])
-                plgpu.barrier_wait(q_seg_ready.at[wg])
-                q_seg = common.segment_vector(q_seg_smem2.at[wg], 0)
+                q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, pl.ds(q_start, block_q)], q_seg_smem2.at[wg],
+                                               q_seg_ready.at[wg], 0)
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
@@ -334,13 +330,11 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
 
         def _producer():
             kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
-            segments = None
-            if t.segments:
-                segments = (lambda j: opt.kv_segment_ids.at[b, pl.ds(j * block_kv, block_kv)], kv_seg_smem, kv_seg_ready)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
-                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv, segments=segments,
+                lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
+                segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
             )
 
         common.warp_specialized(_consumer, _producer)

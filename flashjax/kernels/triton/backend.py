@@ -111,14 +111,12 @@ def _pad_o(x, layout: _Layout):
     return common.pad_tokens(x, layout.q_len, layout.v_head_dim)
 
 
-def _pad_axis(x, axis: int, length: int, mode: str = "constant", value=0, broadcast: bool = False):
+def _pad_axis(x, axis: int, length: int, value=0, broadcast: bool = False):
     """Pads one axis to `length`; with `broadcast`, a size-1 axis stays (it broadcasts)."""
     if x.shape[axis] == length or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, length - x.shape[axis])
-    if mode == "edge":
-        return jnp.pad(x, widths, mode="edge")
     return jnp.pad(x, widths, constant_values=value)
 
 
@@ -156,9 +154,8 @@ def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: i
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     q_seg = kv_seg = None
     if extras.q_segment_ids is not None:
-        # Repeating the last id keeps each padded tile's id extent tight.
-        q_seg = _pad_axis(extras.q_segment_ids.astype(jnp.int32), 1, layout.q_len, mode="edge")
-        kv_seg = _pad_axis(extras.kv_segment_ids.astype(jnp.int32), 1, layout.k_len, mode="edge")
+        q_seg = common.pad_segment_ids(extras.q_segment_ids, layout.q_len)
+        kv_seg = common.pad_segment_ids(extras.kv_segment_ids, layout.k_len)
     ranges = None
     blocks = None
     if extras.block_mask is not None:
