@@ -4,18 +4,22 @@ Rows, bf16, D = 128, H = 16, forward and forward+backward, flashjax's backends b
 cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) where cuDNN has the
 variant:
 
-* full row vs 4 packed documents per row (segment ids; cuDNN gets the equivalent
-  block-diagonal boolean mask): the packed row should cost about a quarter;
+* full row vs 4 packed documents per row (segment ids; cuDNN and tokamax get the
+  equivalent block-diagonal boolean mask): the packed row should cost about a quarter,
+  without and with a causal mask, and the causal one about as much as the 4 documents
+  run as separate rows ("4 rows causal");
 * 50% right padding (q/kv lengths; cuDNN: query/key_value_seq_lengths);
-* sliding window (1024 left, causal) for T = 4k .. 64k: time linear in T
-  (cuDNN: local_window_size);
+* sliding windows (1024 left, causal, T = 4k .. 64k; 4096 left, causal, T = 16k .. 64k):
+  time linear in T (cuDNN: local_window_size; FlashAttention-3: window_size);
 * an additive bias [1, H, T, T] (cuDNN: bias);
 * a softcap of 30, and ALiBi, each with a causal mask at T = 8k and 16k (cuDNN has neither).
 
 Implementations: `flashjax` is flash_attention(backend="triton"), `flashjax_mosaic`
 is backend="mosaic" (the Hopper kernels); a backend that does not support a variant
 (`flashjax.explain` says why) is recorded as unsupported, so variants appear in the
-Mosaic column as that backend gains them.
+Mosaic column as that backend gains them. The peers, where they have the variant:
+`cudnn`, `fa3` (flash-attn3-jax's flash_mha) and `tokamax` (tokamax.dot_product_attention
+with its default implementation); a peer that is not installed is recorded as unsupported.
 
 Measured with `flashjax.benchmark` (its docstring has the protocol): each
 implementation's output (forward) or dq (forward+backward) is first checked against
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import platform
 import sys
 import warnings
@@ -47,16 +52,17 @@ from flashjax import benchmark  # noqa: E402  (the protocol: flashjax/benchmark.
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 HEADS, HEAD_DIM = 16, 128
-# impl -> flashjax backend; "cudnn" is jax.nn.dot_product_attention's.
+# impl -> flashjax backend; the peers follow.
 BACKENDS = {"flashjax": "triton", "flashjax_mosaic": "mosaic"}
-IMPLS = (*BACKENDS, "cudnn")
+PEERS = ("cudnn", "fa3", "tokamax")
+IMPLS = (*BACKENDS, *PEERS)
 MODES = ("fwd", "fwdbwd")
 CHECK_HEADS = 2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared (and hashed) by identity: options hold arrays
 class Case:
-    """One row: a variant of the problem, as flashjax options and as cuDNN's (None: cuDNN lacks it)."""
+    """One row: a variant of the problem, as flashjax options and as each peer's (None: the peer lacks it)."""
 
     name: str
     seq: int
@@ -65,6 +71,9 @@ class Case:
     cudnn: dict | None
     visible: float  # fraction of (q, k) pairs that are visible
     check_end: int | None = None  # the checked query rows end here (None: the last rows)
+    fa3: dict | None = None  # flash_mha keywords
+    tokamax: dict | None = None  # tokamax.dot_product_attention keywords
+    baseline: str = "full"  # the row of the same B x T that "vs full row" divides by
     heads: int = HEADS
     head_dim: int = HEAD_DIM
 
@@ -74,33 +83,56 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
     import jax
     import jax.numpy as jnp
 
-    t, bias_t, window = (256, 128, 64) if smoke else (16384, 4096, 1024)
+    t, bias_t, window, long_window = (256, 128, 64, 128) if smoke else (16384, 4096, 1024, 4096)
     heads, head_dim = (2, 32) if smoke else (HEADS, HEAD_DIM)
     docs = 4
-    seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None, :]
-    doc_mask = seg[:, None, :, None] == seg[:, None, None, :]
-    half = jnp.array([t // 2], jnp.int32)
+
+    def documents(seq, batch):
+        """Segment ids of `docs` equal documents per row, and the block-diagonal mask they make."""
+        seg = jnp.tile(jnp.repeat(jnp.arange(docs, dtype=jnp.int32), seq // docs)[None, :], (batch, 1))
+        return seg, seg[:, None, :, None] == seg[:, None, None, :]
+
     bias = jax.random.normal(jax.random.PRNGKey(3), (1, heads, bias_t, bias_t), jnp.bfloat16)
-    out = [
-        Case("full", t, 1, {}, {}, 1.0),
-        Case(f"segments x{docs}", t, 1, dict(segment_ids=seg), dict(mask=doc_mask), 1.0 / docs),
-        # The last rows are padding (output 0): the check takes the last valid ones.
-        Case("padding 50%", t, 1, dict(q_lengths=half, kv_lengths=half),
-             dict(query_seq_lengths=half, key_value_seq_lengths=half), 0.25, check_end=t // 2),
-        Case("full", bias_t, 4, {}, {}, 1.0),
-        Case("bias [1,H,T,T]", bias_t, 4, dict(bias=bias), dict(bias=bias), 1.0),
-    ]
+    causal = dict(causal=True)
+    out = []
+    # 16k tokens per batch at T/2 and T (smoke: the CPU-sized T only).
+    for seq in (t,) if smoke else (t // 2, t):
+        batch = t // seq
+        seg, doc_mask = documents(seq, batch)
+        half = jnp.full((batch,), seq // 2, jnp.int32)
+        out += [
+            Case("full", seq, batch, {}, {}, 1.0, fa3={}, tokamax={}),
+            Case("full causal", seq, batch, causal, dict(is_causal=True), 0.5, fa3=dict(is_causal=True),
+                 tokamax=dict(is_causal=True)),
+            Case(f"segments x{docs}", seq, batch, dict(segment_ids=seg), dict(mask=doc_mask), 1.0 / docs,
+                 tokamax=dict(mask=doc_mask)),
+            Case(f"segments x{docs} causal", seq, batch, dict(segment_ids=seg, causal=True),
+                 dict(mask=doc_mask, is_causal=True), 0.5 / docs, tokamax=dict(mask=doc_mask, is_causal=True),
+                 baseline="full causal"),
+            # The last rows are padding (output 0): the check takes the last valid ones.
+            Case("padding 50%", seq, batch, dict(q_lengths=half, kv_lengths=half),
+                 dict(query_seq_lengths=half, key_value_seq_lengths=half), 0.25, check_end=seq // 2),
+        ]
+    # The packed row's documents as separate rows: the cost the packed causal row should approach.
+    out.append(Case(f"{docs} rows causal", t // docs, docs, causal, dict(is_causal=True), 0.5,
+                    fa3=dict(is_causal=True), tokamax=dict(is_causal=True), baseline="none"))
+    out += [Case("full", bias_t, 4, {}, {}, 1.0, fa3={}, tokamax={}),
+            Case("bias [1,H,T,T]", bias_t, 4, dict(bias=bias), dict(bias=bias), 1.0, tokamax=dict(bias=bias))]
     seqs = (256, 512) if smoke else (4096, 8192, 16384) if quick else (4096, 8192, 16384, 32768, 65536)
-    for seq in seqs:
-        visible = min(1.0, (window + 1) / seq)  # roughly: each query sees <= window + 1 keys
-        out.append(Case(f"window {window} causal", seq, 1, dict(window=(window, 0), causal=True),
-                        dict(local_window_size=(window, 0), is_causal=True), visible))
+    for left, lengths in ((window, seqs), (long_window, seqs[-1:] if smoke else seqs[2:])):
+        for seq in lengths:
+            visible = min(1.0, (left + 1) / seq)  # roughly: each query sees <= left + 1 keys
+            out.append(Case(f"window {left} causal", seq, 1, dict(window=(left, 0), causal=True),
+                            dict(local_window_size=(left, 0), is_causal=True), visible,
+                            fa3=dict(is_causal=True, window_size=(left, 0)), baseline="full causal"))
     # Gemma 2's logit cap and ALiBi (cuDNN has neither); 16k tokens per batch.
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)
     for seq in (256, 512) if smoke else (8192, 16384):
         batch = 1 if smoke else max(1, 16384 // seq)
-        out.append(Case("softcap 30 causal", seq, batch, dict(softcap=30.0, causal=True), None, 0.5))
-        out.append(Case("alibi causal", seq, batch, dict(alibi_slopes=slopes, causal=True), None, 0.5))
+        out.append(Case("softcap 30 causal", seq, batch, dict(softcap=30.0, causal=True), None, 0.5,
+                        baseline="full causal"))
+        out.append(Case("alibi causal", seq, batch, dict(alibi_slopes=slopes, causal=True), None, 0.5,
+                        baseline="full causal"))
     return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out]
 
 
@@ -116,10 +148,19 @@ def implementation(case: Case, impl: str, q, k, v):
 
     import flashjax
 
-    if impl == "cudnn":
-        if case.cudnn is None:
-            raise NotImplementedError("cuDNN has no such option")
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **case.cudnn)
+    if impl in PEERS:
+        options = getattr(case, impl)
+        if options is None:
+            raise NotImplementedError(f"{impl} has no such option")
+        if impl == "cudnn":
+            return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **options)
+        try:
+            peer = importlib.import_module("flash_attn3_jax" if impl == "fa3" else "tokamax")
+        except ImportError as e:
+            raise NotImplementedError(f"{impl} is not installed ({e})") from None
+        if impl == "fa3":
+            return lambda q, k, v: peer.flash_mha(q, k, v, **options)
+        return lambda q, k, v: peer.dot_product_attention(q, k, v, **options)
     backend = BACKENDS[impl]
     flashjax.explain(q, k, v, backend=backend, **case.options)  # NotImplementedError: the backend's reasons
     return lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, **case.options)
@@ -215,7 +256,7 @@ def _line(row: dict) -> str:
 
 
 def header() -> str:
-    names = " | ".join(f"{i + ' fwd':>10s} {'fwd+bwd':>9s}" for i in ("flashjax", "mosaic", "cuDNN"))
+    names = " | ".join(f"{i + ' fwd':>10s} {'fwd+bwd':>9s}" for i in ("triton", "hopper", *PEERS))
     return f"{'variant':22s} {'T':>6s} {'B':>2s} | {names}   (ms)"
 
 
@@ -244,7 +285,7 @@ def main(argv=None):
     for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
         row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
-                   useful_fraction=case.visible)
+                   useful_fraction=case.visible, baseline=case.baseline)
         for impl in IMPLS:
             for mode in MODES:
                 result = measure(case, impl, mode, inputs, checker, args.reps)

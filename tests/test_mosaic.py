@@ -213,10 +213,15 @@ def _hopper_call(**options) -> backends.Call:
                          dtype=jnp.dtype(BF16), platform="gpu", compute_capability="9.0", **options)
 
 
-@pytest.mark.parametrize("options", [dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0)],
-                         ids=["window", "softcap", "both"])
-def test_auto_takes_hopper_for_window_and_softcap(options):
-    """On an sm90 GPU `auto` runs windows and the softcap on the Hopper kernels, forward and backward."""
+@pytest.mark.parametrize("options", [
+    dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0),
+    dict(arrays=frozenset({"q_lengths"})), dict(arrays=frozenset({"kv_lengths"})),
+    dict(causal=True, arrays=frozenset({"q_lengths", "kv_lengths", "alibi_slopes"})),
+    dict(causal=True, arrays=frozenset({"segment_ids"}))],
+    ids=["window", "softcap", "window-softcap", "q-lengths", "kv-lengths", "lengths-alibi", "segments"])
+def test_auto_takes_hopper_for_its_options(options):
+    """On an sm90 GPU `auto` runs windows, the softcap, ALiBi, lengths and segment ids on the
+    Hopper kernels, forward and backward."""
     call = _hopper_call(**options)
     assert backends.get("mosaic").supports(call) == []
     choice = backends.choose(call)
@@ -285,20 +290,6 @@ def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shap
     got = mosaic_vjp(kernel_vjp, x, config=config, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
-
-
-@pytest.mark.parametrize("arrays", [{"q_lengths"}, {"kv_lengths"}, {"q_lengths", "kv_lengths", "alibi_slopes"},
-                                    {"segment_ids"}])
-def test_lengths_and_segments_are_opt_in_until_verified(arrays):
-    """The Hopper kernels run q/kv lengths and segment ids (backend="mosaic"), and `auto`
-    passes them by for the Triton kernels, saying why, until the GPU suite has checked them."""
-    call = _hopper_call(arrays=frozenset(arrays))
-    assert backends.get("mosaic").supports(call) == []
-    choice = backends.choose(call)
-    assert choice.backend == "triton"
-    assert "not yet verified on a GPU (backend='mosaic' runs it)" in str(choice)
-    assert backends.choose(call, "mosaic").backend == "mosaic"
-    assert backends.choose(_hopper_call(arrays=frozenset({"alibi_slopes"}))).backend == "mosaic"
 
 
 LENGTHS_CASES = [

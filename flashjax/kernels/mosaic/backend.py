@@ -9,8 +9,7 @@ keys, and padded query rows are dropped.
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
 a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), GQA/MQA, any
 sequence lengths, on an sm90 GPU.
-`supports` names everything else; `declines` the options `auto` does not send here yet
-(UNVERIFIED_OPTIONS).
+`supports` names everything else.
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
 OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids")
-# Of those, the ones whose GPU tests have not yet passed: `backend="mosaic"` runs them,
-# `auto` passes them by (to the Triton kernels), saying so.
-UNVERIFIED_OPTIONS = ("q_lengths", "kv_lengths", "segment_ids")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -52,11 +48,6 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
     return reasons
-
-
-def declines(call: Call) -> list[str]:
-    return [f"{option} on the Hopper kernels is not yet verified on a GPU (backend='mosaic' runs it)"
-            for option in call.options() if option in UNVERIFIED_OPTIONS]
 
 
 def supports_backward(call: Call) -> list[str]:
@@ -176,7 +167,6 @@ BACKEND = backends.Backend(
     config_type=MosaicConfig,
     supports=supports,
     supports_backward=supports_backward,
-    declines=declines,
     default_config=default_config,
     forward=forward,
     backward=backward,
