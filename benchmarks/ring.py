@@ -108,6 +108,9 @@ def main(argv=None):
                         if impl == "ring" and causal:  # the layout load balancing expects
                             inputs = [zigzag_order(x, n) for x in host]
                         args_ = tuple(jax.device_put(x, sharding) for x in inputs)
+                        # The kernels `auto` picks for the (per-device block of the) call.
+                        block = tuple(x[:, : seq // entry["devices"]] for x in host[:3])
+                        entry["backend"] = flashjax.explain(*block, causal=causal, backend=backend).backend
                         compiled, entry["temp_bytes"] = benchmark.compile_cell(cell, attend(impl, causal), args_)
                         result = compiled(*args_)
                         got = result if mode == "fwd" else result[0]
@@ -149,7 +152,8 @@ def _row(e) -> str:
     what = f"T={e['seq']:>6} {'causal' if e['causal'] else 'full  '} {e['mode']:<6} {e['impl']:<6} x{e['devices']}"
     if e.get("status") != "ok":
         return f"{what}  {e.get('status')} {e.get('error', '')}"
-    return f"{what}  {e['seconds'] * 1e3:9.1f} ms  {e['tflops_per_gpu']:6.1f} TF/s/GPU  err {max(e['rel_err'].values()):.1e}"
+    return (f"{what}  {e['seconds'] * 1e3:9.1f} ms  {e['tflops_per_gpu']:6.1f} TF/s/GPU  err {max(e['rel_err'].values()):.1e}"
+            f"  ({e['backend']})")
 
 
 def _table(entries, n) -> str:

@@ -12,7 +12,8 @@ variant:
 * sliding windows (1024 left, causal, T = 4k .. 64k; 4096 left, causal, T = 16k .. 64k):
   time linear in T (cuDNN: local_window_size; FlashAttention-3: window_size);
 * an additive bias [1, H, T, T] (cuDNN: bias);
-* a softcap of 30, and ALiBi, each with a causal mask at T = 8k and 16k (cuDNN has neither).
+* a softcap of 30, and ALiBi, each with a causal mask at T = 8k and 16k, and dropout 0.1
+  without a mask (no peer has these).
 
 Implementations: `flashjax` is flash_attention(backend="triton"), `flashjax_mosaic`
 is backend="mosaic" (the Hopper kernels); a backend that does not support a variant
@@ -40,6 +41,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib
+import json
 import platform
 import sys
 import warnings
@@ -125,6 +127,11 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
             out.append(Case(f"window {left} causal", seq, 1, dict(window=(left, 0), causal=True),
                             dict(local_window_size=(left, 0), is_causal=True), visible,
                             fa3=dict(is_causal=True, window_size=(left, 0)), baseline="full causal"))
+    # Dropout (no peer has it): checked on the first rows, where the reference's keep mask
+    # (positions from 0) is the kernels'.
+    for seq in (t,) if smoke else (t // 2, t):
+        out.append(Case("dropout 0.1", seq, t // seq, dict(dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(5)),
+                        None, 1.0, check_end=min(seq, benchmark.CHECK_ROWS)))
     # Gemma 2's logit cap and ALiBi (cuDNN has neither); 16k tokens per batch.
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)
     for seq in (256, 512) if smoke else (8192, 16384):
@@ -176,7 +183,7 @@ def _rows(case: Case) -> tuple[int, int]:
 
 def _slice_option(name: str, value, start: int, end: int):
     """The option as the reference sees it for query rows [start, end) of batch row 0, heads [:CHECK_HEADS]."""
-    if name in ("causal", "window", "softcap"):
+    if name in ("causal", "window", "softcap", "dropout_rate", "dropout_rng"):
         return value
     if name == "alibi_slopes":
         return value[:CHECK_HEADS]
@@ -267,7 +274,13 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (>= 10 for the protocol)")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: H=2, D=32, T <= 512, 2 reps")
     parser.add_argument("--only", default=None, help="comma-separated substrings: the variants whose name holds one")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the existing results file that this run does not measure")
     args = parser.parse_args(argv)
+    impls = [i for i in args.impls.split(",") if i]
+    if unknown := set(impls) - set(IMPLS):
+        parser.error(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
     if args.smoke:
         args.reps = min(args.reps, 2)
     warnings.filterwarnings("ignore")
@@ -282,22 +295,28 @@ def main(argv=None):
     selected = cases(args.quick, args.smoke)
     if args.only:
         selected = [c for c in selected if any(part in c.name for part in args.only.split(","))]
+    out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
+    kept = []
+    if args.merge and out.exists():
+        measured = {(c.name, c.seq, c.batch) for c in selected}
+        kept = [r for r in json.loads(out.read_text())["rows"] if (r["variant"], r["seq"], r["batch"]) not in measured]
     for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
         row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
                    useful_fraction=case.visible, baseline=case.baseline)
-        for impl in IMPLS:
+        for impl in impls:
             for mode in MODES:
                 result = measure(case, impl, mode, inputs, checker, args.reps)
                 row.update({f"{impl}_{mode}_{name}": value for name, value in result.items()})
         rows.append(row)
         print(_line(row), flush=True)
-    result = dict(device=device, jax=jax.__version__, flashjax=flashjax.__version__, host=platform.node(),
-                  date=datetime.date.today().isoformat(), rows=rows,
-                  protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS,
-                                check_heads=CHECK_HEADS, tolerance=benchmark.TOLERANCE, flops="dense 4*B*H*T*T*D, x3.5 fwd+bwd"))
-    out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
-    benchmark.save_results(out, result)
+        # Written after every row: a run cut short keeps what it measured.
+        result = dict(device=device, jax=jax.__version__, flashjax=flashjax.__version__, host=platform.node(),
+                      date=datetime.date.today().isoformat(), rows=kept + rows,
+                      protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS,
+                                    check_heads=CHECK_HEADS, tolerance=benchmark.TOLERANCE,
+                                    flops="dense 4*B*H*T*T*D, x3.5 fwd+bwd"))
+        benchmark.save_results(out, result)
     print("wrote", out)
     return 0
 

@@ -149,6 +149,10 @@ MOSAIC_CASES = [
     # Segment ids (the ids streamed beside K, or Q in the dK/dV kernel), with lengths.
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-segments-lengths"),
     pytest.param(4, 4, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-segments-window-overlap"),
+    # Dropout (the seed as an input; "accumulate" goes to the two-kernel dQ).
+    pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-dropout"),
+    pytest.param(4, 1, 128, False, {"fwd_schedule": "overlap", "bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
+                 id="d128-dropout-broadcast-overlap-accumulate"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -158,9 +162,13 @@ MOSAIC_OPTIONS = {
     "d128-window-softcap-accumulate": dict(window=(64, 64), softcap=20.0),
     "d64-alibi-softcap-window": dict(softcap=30.0, window=(100, 100)),
     "d64-segments-window-overlap": dict(window=(300, 20)),
+    "d128-causal-dropout": dict(dropout_rate=0.1),
+    "d128-dropout-broadcast-overlap-accumulate": dict(dropout_rate=0.25, broadcast_dropout=True),
 }
 # Extras (optional arrays) of the cases above (by id).
 MOSAIC_EXTRAS = {
+    "d128-causal-dropout": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
+    "d128-dropout-broadcast-overlap-accumulate": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
     "d128-causal-alibi-accumulate": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
     "d64-alibi-softcap-window": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
     "d128-causal-lengths-accumulate": Extras(q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),

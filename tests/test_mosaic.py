@@ -200,7 +200,6 @@ def _arrays(dtype=BF16, d=64):
     [
         (dict(bias=jnp.zeros((16, 16))), "bias"),
         (dict(mask=jnp.ones((16, 16), bool)), "mask"),
-        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout"),
     ],
 )
 def test_unsupported_features_are_named(kwargs, feature):
@@ -217,11 +216,11 @@ def _hopper_call(**options) -> backends.Call:
     dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0),
     dict(arrays=frozenset({"q_lengths"})), dict(arrays=frozenset({"kv_lengths"})),
     dict(causal=True, arrays=frozenset({"q_lengths", "kv_lengths", "alibi_slopes"})),
-    dict(causal=True, arrays=frozenset({"segment_ids"}))],
-    ids=["window", "softcap", "window-softcap", "q-lengths", "kv-lengths", "lengths-alibi", "segments"])
+    dict(causal=True, arrays=frozenset({"segment_ids"})), dict(causal=True, dropout_rate=0.1)],
+    ids=["window", "softcap", "window-softcap", "q-lengths", "kv-lengths", "lengths-alibi", "segments", "dropout"])
 def test_auto_takes_hopper_for_its_options(options):
-    """On an sm90 GPU `auto` runs windows, the softcap, ALiBi, lengths and segment ids on the
-    Hopper kernels, forward and backward."""
+    """On an sm90 GPU `auto` runs windows, the softcap, ALiBi, lengths, segment ids and dropout
+    on the Hopper kernels, forward and backward."""
     call = _hopper_call(**options)
     assert backends.get("mosaic").supports(call) == []
     choice = backends.choose(call)
@@ -346,6 +345,41 @@ def test_segments(make_inputs, kernel_vjp, reference_vjp, assert_result_close, r
         arrays["kv_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
     options = dict(causal=causal, window=window, arrays=arrays)
     got = mosaic_vjp(kernel_vjp, x, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
+    assert_result_close(got, want, dtype)
+
+
+DROPOUT_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, rate, broadcast, other options
+    pytest.param((2, 1024, 1024, 4, 2, 128), True, 0.1, False, {}, id="T1024-causal-gqa2"),
+    pytest.param((1, 1000, 1000, 4, 1, 64), False, 0.5, False, dict(fwd_schedule="overlap"), id="T1000-mqa-overlap"),
+    pytest.param((2, 300, 1000, 4, 4, 128), True, 0.3, True, dict(window=(256, None), bwd_dq="accumulate"),
+                 id="q300<k1000-causal-window-broadcast-accumulate"),
+    pytest.param((2, 1000, 130, 2, 2, 64), False, 0.2, False, dict(softcap=30.0, kv_lengths=[130, 0]),
+                 id="q1000>k130-softcap-rows-without-keys"),
+    pytest.param((2, 1536, 1536, 4, 2, 128), True, 0.1, False, dict(segment_ids=3), id="T1536-causal-3docs"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,rate,broadcast,other", DROPOUT_CASES)
+def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rng, shape, causal, rate, broadcast,
+                 other, dtype):
+    """Dropout on the Hopper kernels draws `flashjax.dropout`'s keep bits: the reference with
+    the same seed (whose keep mask tests/test_dropout.py finds in the Triton kernels) agrees,
+    forward and backward, with the other options."""
+    x = make_inputs(*shape, dtype=dtype)
+    other = dict(other)
+    config_fields = {name: other.pop(name) for name in ("fwd_schedule", "bwd_dq") if name in other}
+    arrays = dict(dropout_rng=jax.random.PRNGKey(int(rng.integers(1 << 30))))
+    if "kv_lengths" in other:
+        arrays["kv_lengths"] = jnp.asarray(other.pop("kv_lengths"), jnp.int32)
+    if "segment_ids" in other:
+        arrays["segment_ids"] = _documents(rng, shape[0], shape[1], other.pop("segment_ids"))
+    options = dict(causal=causal, dropout_rate=rate, broadcast_dropout=broadcast, arrays=arrays, **other)
+    config = dataclasses.replace(MosaicConfig.default(shape[5]), **config_fields)
+    got = mosaic_vjp(kernel_vjp, x, config=config, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
 

@@ -7,8 +7,8 @@ zero-padded here; the kernels' mask spec knows the true lengths and masks the pa
 keys, and padded query rows are dropped.
 
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
-a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), GQA/MQA, any
-sequence lengths, on an sm90 GPU.
+a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), dropout (the
+Triton kernels' keep bits), GQA/MQA, any sequence lengths, on an sm90 GPU.
 `supports` names everything else.
 """
 
@@ -29,7 +29,7 @@ from flashjax.params import AttentionParams, Call, Extras
 DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids")
+OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -70,7 +70,8 @@ def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, blo
             stages: int) -> Tiling:
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
                   scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
-                  ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None)
+                  ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None,
+                  dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout)
 
 
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
@@ -89,7 +90,8 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
             by_key_block=by_key_block,
         )
-    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                          dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None)
 
 
 def _drop_padded_rows(o, lse, q_lengths):
@@ -126,9 +128,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     dim = padded_head_dim(head_dim)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
     # key tile's query range to end at the last query tile (no window); it has no ALiBi,
-    # lengths or segments.
+    # lengths, segments or dropout.
     accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
-                  and extras.alibi_slopes is None and not _has_ranges(extras))
+                  and extras.alibi_slopes is None and not _has_ranges(extras) and params.dropout_rate == 0.0)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))

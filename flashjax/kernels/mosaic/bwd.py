@@ -58,9 +58,11 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
 
 
 def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
-               kv_seg=None):
+               kv_seg=None, stream=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
+    With dropout (`stream`, the query head's dropout stream) dV takes the dropped weights
+    and dP^T passes back through the same keep mask.
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
     query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
@@ -82,10 +84,12 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
         dv_ref, dp_ref = refs
-        plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])  # dV += P^T dO
+        p_dropped = common.drop(p_t, t, stream, i * block_q, k_start, transposed=True)
+        plgpu.wgmma(dv_ref, p_dropped.astype(dtype), do_smem.at[slot])  # dV += P^T dO
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
 
     dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
+    dp_t = common.drop(dp_t, t, stream, i * block_q, k_start, transposed=True)
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
     # Through the softcap: d logits / d s (the scale enters dK and dQ once, at the end).
@@ -141,7 +145,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
             kv_length = opt.kv_length(b, k_block)
 
-            def step(s, i, carry, masked: bool, slope):
+            def step(s, i, carry, masked: bool, slope, stream):
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
@@ -149,7 +153,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
                 dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
-                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg)
+                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -168,8 +172,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             def head(g, carry):
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
                 slope = None if opt.slopes is None else opt.slopes[hk * group + g]
+                stream = opt.dropout_stream(t, b, hk * group + g, heads)
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
-                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope), carry,
+                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope, stream), carry,
                                      t.q_boundaries(k_len))
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
@@ -240,6 +245,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         slope = None if opt.slopes is None else opt.slopes[h]
+        stream = opt.dropout_stream(t, b, h, heads)
 
         def kv_tiles(q_block):
             return opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
@@ -289,6 +295,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
                 dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[slot])
+                dp = common.drop(dp, t, stream, q_start, j * block_kv)
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                 if dlogits is not None:
                     ds = ds * dlogits
@@ -376,7 +383,8 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
-    assert not (t.alibi or t.ranges), "ALiBi, lengths and segments run on the two-kernel backward (dkv + dq)"
+    assert not (t.alibi or t.ranges or t.dropout_rate), \
+        "ALiBi, lengths, segments and dropout run on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

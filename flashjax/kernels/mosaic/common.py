@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashjax import masks
+from flashjax import dropout, masks
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
 
@@ -50,6 +50,10 @@ class Tiling:
         slopes): each tile's range is cut to them and keys past a row's kv length masked.
       segments: the kernels take q and kv segment ids (int32 [B, Tqp], [B, Tkp], after the
         ranges) and mask the pairs of different ids on boundary tiles.
+      dropout_rate: if > 0, the kernels take the dropout seed (uint32 [2], the last input)
+        and drop attention weights with `flashjax.dropout`'s counter-based keep mask, the
+        Triton kernels' bits for the same seed.
+      broadcast_dropout: one keep mask for every batch row and head.
     """
 
     block_q: int
@@ -61,6 +65,8 @@ class Tiling:
     alibi: bool = False
     ranges: bool = False
     segments: bool = False
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = False
 
     @property
     def exp2_scale(self) -> float:
@@ -76,23 +82,31 @@ class Tiling:
         """`MaskSpec.q_boundaries`; with ranges both parts can hold tiles."""
         return (True, True) if self.ranges else self.spec.q_boundaries(padded_seq_k)
 
+    @property
+    def keep_scale(self) -> float:
+        """The factor of a kept weight: 1 / (1 - dropout_rate)."""
+        return 1.0 / (1.0 - self.dropout_rate)
+
 
 class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
     the tiling does not take it: ALiBi slopes float32 [H], the tile ranges of lengths and
-    segments, and the segment ids int32 [B, Tqp] and [B, Tkp]."""
+    segments, the segment ids int32 [B, Tqp] and [B, Tkp], and the dropout seed uint32 [2]."""
 
     slopes: object = None
     ranges: object = None
     q_segment_ids: object = None
     kv_segment_ids: object = None
+    dropout_seed: object = None
 
     def inputs(self, t: Tiling) -> tuple:
         """The arrays, in kernel-input order, checked against the tiling."""
         assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.ranges, (t, self)
         assert (self.q_segment_ids is not None) == (self.kv_segment_ids is not None) == t.segments, (t, self)
+        assert (self.dropout_seed is not None) == (t.dropout_rate > 0.0), (t, self)
         slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
-        return tuple(x for x in (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids) if x is not None)
+        seed = None if self.dropout_seed is None else self.dropout_seed.astype(jnp.uint32)
+        return tuple(x for x in (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids, seed) if x is not None)
 
     @classmethod
     def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
@@ -102,13 +116,22 @@ class OptionalInputs(NamedTuple):
         slopes = refs.pop(0) if t.alibi else None
         ranges = refs.pop(0) if t.ranges else None
         q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if t.segments else (None, None)
-        return cls(slopes, ranges, q_seg, kv_seg), refs
+        seed = refs.pop(0) if t.dropout_rate > 0.0 else None
+        return cls(slopes, ranges, q_seg, kv_seg, seed), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
         """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
         if self.ranges is None:
             return structural
         return masks.intersect(structural, masks.RangeRow(self.ranges, (b, tile)))
+
+    def dropout_stream(self, t: Tiling, b, h, heads: int):
+        """The dropout stream of (batch row b, query head h) (`flashjax.dropout.stream_base`,
+        as the Triton kernels draw it), or None without dropout."""
+        if self.dropout_seed is None:
+            return None
+        stream = jnp.uint32(0) if t.broadcast_dropout else (b * heads + h).astype(jnp.uint32)
+        return dropout.stream_base(self.dropout_seed[0], self.dropout_seed[1], stream)
 
     def kv_length(self, b, tile):
         """Batch row b's kv length (None without ranges: the mask spec's seq_k)."""
@@ -338,6 +361,18 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
         q_dim, k_dim = (1, 0) if transposed else (0, 1)
         allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
     return jnp.where(allowed, s, -jnp.inf)
+
+
+def drop(x, t: Tiling, stream, q_start, k_start, *, transposed: bool = False):
+    """x (a [block_q, block_kv] tile in the wgmma register layout, or [block_kv, block_q]
+    with `transposed`) through dropout: kept entries times `Tiling.keep_scale`, dropped ones
+    0. The keep bits are `flashjax.dropout.tile_keep` of the query and key positions, the
+    same as the Triton kernels' and the reference's. x unchanged when `stream` is None."""
+    if stream is None:
+        return x
+    rows, cols = _positions(x.shape, q_start, k_start, transposed)
+    keep = dropout.tile_keep(stream, rows, cols, dropout.keep_threshold(t.dropout_rate))
+    return jnp.where(keep, x * t.keep_scale, 0.0)
 
 
 def segment_scratch(t: Tiling, own_rows: int, streamed: int, stages: int) -> tuple:

@@ -64,6 +64,7 @@ class _Consumer(NamedTuple):
     q_seg: object = None  # the query tile's segment ids (`common.segment_vector`), with segments
     kv_seg_smem: object = None  # the ring of the key tiles' segment ids, and its ready barriers
     kv_seg_ready: object = None
+    drop_stream: object = None  # this (batch row, head)'s dropout stream, with dropout
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -86,6 +87,12 @@ class _Consumer(NamedTuple):
             return s_ref[...]
 
         return pl.run_scoped(qk, plgpu.ACC((t.block_q, t.block_kv), jnp.float32))
+
+    def weights(self, p, j):
+        """P V's operand: the softmax weights of key tile j through dropout (the row sums
+        take them undropped), in the inputs' dtype."""
+        p = common.drop(p, self.t, self.drop_stream, self.q_start, j * self.t.block_kv)
+        return p.astype(self.q_smem.dtype)
 
     def logits(self, s, j, masked: bool, kv_seg=None):
         s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
@@ -117,7 +124,6 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
     one's softmax."""
     t = c.t
     scale_log2 = t.exp2_scale
-    dtype = c.q_smem.dtype
     head_dim = c.q_smem.shape[-1]
 
     @pl.when(tiles.hi > tiles.lo)
@@ -134,7 +140,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
-        p16 = p.astype(dtype)
+        p16 = c.weights(p, j)
 
         def end_softmax():
             plgpu.barrier_arrive(schedule_barrier)  # softmax done: the other consumer may issue
@@ -172,7 +178,6 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     rescale acc. The first tile is always computed with the mask."""
     t = c.t
     scale_log2 = t.exp2_scale
-    dtype = c.q_smem.dtype
     head_dim = c.q_smem.shape[-1]
     acc, m, l = carry
 
@@ -184,7 +189,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     s = c.logits(s, tiles.lo, True, kv_seg)
     m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
     l = p.sum(axis=1)
-    p16 = p.astype(dtype)
+    p16 = c.weights(p, tiles.lo)
     c.turn()
 
     def step(j, carry, masked: bool):
@@ -210,7 +215,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             s = c.logits(s, j, masked, kv_seg)
             m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
             l_new = l * alpha + p.sum(axis=1)
-            p16_new = p.astype(dtype)
+            p16_new = c.weights(p, j)
             if not masked:
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
                 plgpu.barrier_arrive(c.v_free.at[prev])
@@ -248,7 +253,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
       optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
-        [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids.
+        [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids, the
+        dropout seed (exactly when t.dropout_rate > 0).
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -298,7 +304,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
-                q_seg, kv_seg_smem, kv_seg_ready,
+                q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads),
             )
 
             # The ring tiles this query tile does not read: release them in order, with
