@@ -13,7 +13,7 @@ halved when causal, x3.5 for forward+backward), the check and the timing are tho
 ring's by N, and the scaling efficiency is the ring's per-GPU TFLOP/s over the single
 GPU's. Each cell is compiled once, checked against the float32 reference on the last
 query rows (output, or dq for forward+backward; a mismatch is not timed), warmed up
-once, then timed as the median of `--reps` repetitions. Cells past the time budget
+(twice, the protocol's warm-up), then timed as the median of `--reps` repetitions. Cells past the time budget
 (`--budget`, default 360 s) are recorded as skipped, so the run stays under 8 minutes
 (the last cell started, 128k forward+backward on one GPU, takes well under a minute).
 
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", default=",".join(map(str, SEQLENS)), help="comma-separated T")
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both")
     p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
-    p.add_argument("--reps", type=int, default=5, help="timed calls per cell (median)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls per cell (median)")
     p.add_argument("--budget", type=float, default=360.0, help="seconds; later cells are skipped")
     p.add_argument("--out", default=None, help="output .json (default benchmarks/results/ring-<device>-x<N>.json)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: 2 host devices, tiny shapes")
@@ -122,7 +122,7 @@ def main(argv=None):
                             entry.update(status="mismatch", error=f"rel err {entry['rel_err']} >= {benchmark.TOLERANCE}")
                         else:
                             seconds, times, _ = benchmark.median_time(lambda: compiled(*args_), jax.block_until_ready,
-                                                                      reps=args.reps, warmup=1)
+                                                                      reps=args.reps)
                             per_gpu = cell.flops() / entry["devices"] / seconds / 1e12
                             entry.update(status="ok", seconds=seconds, times=times, tflops_per_gpu=per_gpu)
                     except Exception as e:  # recorded, never a crash: the other cells still run

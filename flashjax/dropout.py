@@ -51,11 +51,21 @@ def stream_base(seed0, seed1, batch_head):
     return hash32(_u32(seed0) ^ hash32(_u32(batch_head) * jnp.uint32(_GOLDEN) + _u32(seed1)))
 
 
+def row_keys(base, rows):
+    """The per-row keys of one (batch, head) stream for query positions `rows` (int32)."""
+    return hash32(base ^ (_u32(rows) * jnp.uint32(_GOLDEN)))
+
+
+def keep_bits(row_key, cols, threshold: int):
+    """Keep mask for row keys and key positions `cols` (int32) that broadcast together."""
+    bits = hash32(row_key ^ _u32(cols))
+    # (bits >> 8) >= threshold, one shift fewer: the threshold is below 2**24.
+    return bits >= jnp.uint32(threshold << 8)
+
+
 def tile_keep(base, rows, cols, threshold: int):
     """Keep mask for positions rows [bq, 1] x cols [1, bk] (int32) of one (batch, head) stream."""
-    row_key = hash32(base ^ (_u32(rows) * jnp.uint32(_GOLDEN)))
-    bits = hash32(row_key ^ _u32(cols))
-    return (bits >> 8) >= jnp.uint32(threshold)
+    return keep_bits(row_keys(base, rows), cols, threshold)
 
 
 def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False,

@@ -80,16 +80,18 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
+    # Dropout's keep bits, for P^T and dP^T alike.
+    keep_t = None if stream is None else common.keep_mask(t, stream, s_t.shape, i * block_q, k_start, transposed=True)
 
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
         dv_ref, dp_ref = refs
-        p_dropped = common.drop(p_t, t, stream, i * block_q, k_start, transposed=True)
+        p_dropped = common.drop(p_t, t, keep_t)
         plgpu.wgmma(dv_ref, p_dropped.astype(dtype), do_smem.at[slot])  # dV += P^T dO
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
 
     dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
-    dp_t = common.drop(dp_t, t, stream, i * block_q, k_start, transposed=True)
+    dp_t = common.drop(dp_t, t, keep_t)
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
     # Through the softcap: d logits / d s (the scale enters dK and dQ once, at the end).
@@ -172,7 +174,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             def head(g, carry):
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
                 slope = None if opt.slopes is None else opt.slopes[hk * group + g]
-                stream = opt.dropout_stream(t, b, hk * group + g, heads)
+                stream = None if opt.dropout_seed is None else opt.dropout_stream(t, b, hk * group + g, heads)
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
                 carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope, stream), carry,
                                      t.q_boundaries(k_len))
@@ -295,7 +297,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
                 dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[slot])
-                dp = common.drop(dp, t, stream, q_start, j * block_kv)
+                if stream is not None:
+                    dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
                 if dlogits is not None:
                     ds = ds * dlogits

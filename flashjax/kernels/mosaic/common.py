@@ -363,16 +363,25 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def drop(x, t: Tiling, stream, q_start, k_start, *, transposed: bool = False):
-    """x (a [block_q, block_kv] tile in the wgmma register layout, or [block_kv, block_q]
-    with `transposed`) through dropout: kept entries times `Tiling.keep_scale`, dropped ones
-    0. The keep bits are `flashjax.dropout.tile_keep` of the query and key positions, the
-    same as the Triton kernels' and the reference's. x unchanged when `stream` is None."""
+def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = False):
+    """Dropout's keep mask of a [block_q, block_kv] tile in the wgmma register layout (or
+    [block_kv, block_q] with `transposed`): `flashjax.dropout.tile_keep` of the query and
+    key positions, the same bits as the Triton kernels' and the reference's. The row keys
+    are hashed once per query row, in the layout of the tile's query dim, then broadcast.
+    None without dropout (`stream` None)."""
     if stream is None:
-        return x
-    rows, cols = _positions(x.shape, q_start, k_start, transposed)
-    keep = dropout.tile_keep(stream, rows, cols, dropout.keep_threshold(t.dropout_rate))
-    return jnp.where(keep, x * t.keep_scale, 0.0)
+        return None
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    rows = plgpu.broadcasted_iota(jnp.int32, (shape[q_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(k_dim)) + q_start
+    row_keys = lax.broadcast_in_dim(dropout.row_keys(stream, rows), shape, [q_dim])
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
+    return dropout.keep_bits(row_keys, cols, dropout.keep_threshold(t.dropout_rate))
+
+
+def drop(x, t: Tiling, keep):
+    """x through dropout: kept entries (`keep_mask`) times `Tiling.keep_scale`, dropped ones 0;
+    x itself when `keep` is None."""
+    return x if keep is None else jnp.where(keep, x * t.keep_scale, 0.0)
 
 
 def segment_scratch(t: Tiling, own_rows: int, streamed: int, stages: int) -> tuple:

@@ -91,7 +91,9 @@ class _Consumer(NamedTuple):
     def weights(self, p, j):
         """P V's operand: the softmax weights of key tile j through dropout (the row sums
         take them undropped), in the inputs' dtype."""
-        p = common.drop(p, self.t, self.drop_stream, self.q_start, j * self.t.block_kv)
+        if self.drop_stream is not None:
+            keep = common.keep_mask(self.t, self.drop_stream, p.shape, self.q_start, j * self.t.block_kv)
+            p = common.drop(p, self.t, keep)
         return p.astype(self.q_smem.dtype)
 
     def logits(self, s, j, masked: bool, kv_seg=None):
