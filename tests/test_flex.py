@@ -368,6 +368,20 @@ def test_block_mask_is_exact(mask_mod, batch, heads, q_len, kv_len, block_q, blo
         assert np.all(np.broadcast_to(full, fine.shape) <= (fine == flex.FULL)), "a partial tile is called full"
 
 
+@pytest.mark.parametrize("mask_mod, batch, heads, q_len, kv_len, block_q, block_k", CLASSIFY)
+def test_block_mask_kernel_is_exact(mask_mod, batch, heads, q_len, kv_len, block_q, block_k):
+    """The GPU builder (a Triton kernel; interpret mode here) gives the dense mask's classes."""
+    from flashjax.kernels.triton import block_mask as triton_block_mask
+
+    mod, consts = flex.trace(mask_mod, flex.MASK_MOD)
+    n_batch, n_heads = (batch if mod.uses_batch else 1), (heads if mod.uses_head else 1)
+    blocks = triton_block_mask.classify(mod, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k,
+                                        interpret=jax.default_backend() != "gpu")
+    want = _dense_classes(mask_mod, batch, heads, q_len, kv_len, block_q, block_k)
+    assert blocks.shape == (n_batch, n_heads) + want.shape[2:]
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(blocks), want.shape), want)
+
+
 @pytest.mark.parametrize("mask_mod", [mods.chunked(64), mods.prefix_lm(jnp.array([40])), mods.document_window(
     jnp.asarray(np.repeat([0, 1], [20, 80])[None], jnp.int32), 70)], ids=["chunked", "prefix-lm", "document-window"])
 def test_block_mask_ranges_skip_and_fill(mask_mod):

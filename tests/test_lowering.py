@@ -345,3 +345,18 @@ def test_flex_lowers_to_triton_for_sm90(on_hopper):
     text = grad.trace(q, kv, kv, f32(4, 32), f32(4), f32()).lower(lowering_platforms=("cuda",)).as_text()
     count, scores = _kernel_count_and_scores(text, TritonConfig.default(64, dtype))
     assert count == 3 and not scores, (count, scores)
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_block_mask_kernel_lowers_to_triton_for_sm90(fake_h100, block):
+    """`flashjax.block_mask`'s GPU builder (a document mask reading a closed-over array) lowers
+    for sm_90: one Triton kernel and nothing of [q_len, kv_len] outside it."""
+    from flashjax import flex, mods
+    from flashjax.kernels.triton import block_mask as triton_block_mask
+
+    doc_ids = jnp.zeros((2, SEQ_Q), jnp.int32)
+    mod, consts = flex.trace(mods.document_window(doc_ids, 100), flex.MASK_MOD)
+    build = jax.jit(lambda *c: triton_block_mask.classify(mod, c, 2, 1, SEQ_Q, SEQ_Q, block, block))
+    text = build.trace(*consts).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON_CALL) == 1 and "flashjax_block_mask" in text
+    assert not [s for s in tensor_shapes(text) if s.count(SEQ_Q) >= 2], "a [q_len, kv_len] tensor outside the kernel"
