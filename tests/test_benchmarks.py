@@ -120,3 +120,25 @@ def test_flex_smoke(tmp_path, capsys):
     assert summary[("causal_document", "build")]["block_mask_jit_share"] > 0
     text = capsys.readouterr().out
     assert "mod/built-in" in text and "block mask" in text and "bars:" in text  # the tables
+
+
+def test_variants_smoke(tmp_path):
+    """benchmarks/variants.py --smoke on a few rows: checked and timed on the Triton kernels,
+    the Hopper kernels and the peers recorded as unsupported here, a second run merged into
+    the first's file, and the README table rendered from it."""
+    variants = _script("variants")
+    out = tmp_path / "variants.json"
+    assert variants.main(["--smoke", "--only", "4 rows,dropout", "--impls", "flashjax,flashjax_mosaic,fa3",
+                          "--out", str(out)]) == 0
+    assert variants.main(["--smoke", "--only", "segments x4 causal", "--impls", "flashjax", "--merge",
+                          "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["variant"] for r in rows) == ["4 rows causal", "dropout 0.1", "segments x4 causal"]
+    for row in rows:
+        for mode in variants.MODES:
+            assert row[f"flashjax_{mode}_status"] == "ok", row
+            assert max(row[f"flashjax_{mode}_rel_err"].values()) < benchmark.TOLERANCE
+        if row["variant"] != "segments x4 causal":
+            assert row["flashjax_mosaic_fwd_status"] == "unsupported" and row["fa3_fwd_status"] == "unsupported"
+    table = _script("plot").variants_markdown(json.loads(out.read_text()))
+    assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
