@@ -109,8 +109,8 @@ def main(argv=None):
                             inputs = [zigzag_order(x, n) for x in host]
                         args_ = tuple(jax.device_put(x, sharding) for x in inputs)
                         # The kernels `auto` picks for the (per-device block of the) call.
-                        block = tuple(x[:, : seq // entry["devices"]] for x in host[:3])
-                        entry["backend"] = flashjax.explain(*block, causal=causal, backend=backend).backend
+                        block = jax.ShapeDtypeStruct((1, seq // entry["devices"], heads, head_dim), dtype)
+                        entry["backend"] = flashjax.explain(block, block, block, causal=causal, backend=backend).backend
                         compiled, entry["temp_bytes"] = benchmark.compile_cell(cell, attend(impl, causal), args_)
                         result = compiled(*args_)
                         got = result if mode == "fwd" else result[0]

@@ -468,6 +468,11 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
     return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
+def tile_class(meets, full):
+    """The `BlockMask.blocks` code of tiles that meet the mask somewhere / everywhere."""
+    return jnp.where(meets, jnp.where(full, FULL, PARTIAL), EMPTY)
+
+
 def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):
     """The int8 [Bm, Hm, n_q, n_k] classes of `BlockMask.blocks`, for a traced mask_mod and its
     closed-over arrays: by XLA, tile row by tile row, or (`KERNEL_BUILDER`, on a GPU) by a
@@ -500,7 +505,7 @@ def _classify_by_rows(mod: Mod, consts, n_batch: int, n_heads: int, q_len: int, 
         attend = _evaluate_tile(mod.jaxpr, tuple(consts), (b, h, rows, cols))[0]
         nonempty = jnp.any((attend & valid).reshape(block_q, chunk, block_k), axis=(0, 2))
         full = jnp.all((attend | ~valid).reshape(block_q, chunk, block_k), axis=(0, 2))
-        return jnp.where(nonempty, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int8)
+        return tile_class(nonempty, full).astype(jnp.int8)
 
     items = jnp.arange(n_batch * n_heads * n_q * n_chunks, dtype=jnp.int32)
     codes = lax.map(classify, items, batch_size=max(1, min(len(items), _STEP_PAIRS // (block_q * chunk * block_k))))

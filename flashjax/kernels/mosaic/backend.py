@@ -105,7 +105,7 @@ def _drop_padded_rows(o, lse, q_lengths):
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
-    # `supports` lets through the ALiBi slopes, the lengths and the segment ids.
+    # `supports` lets through the ALiBi slopes, the lengths, the segment ids and the dropout seed.
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
@@ -126,12 +126,12 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     (the ALiBi slopes get no gradient)."""
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
-    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), and every
-    # key tile's query range to end at the last query tile (no window); it has no ALiBi,
-    # lengths, segments or dropout.
-    accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
-                  and extras.alibi_slopes is None and not _has_ranges(extras) and params.dropout_rate == 0.0)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    t = _tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
+    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), every key
+    # tile's query range to end at the last query tile (no window), and no optional inputs.
+    accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
+                  and mosaic_bwd.fused_dq_takes(t))
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
     if accumulate:
@@ -144,7 +144,6 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
     kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
-    t = _tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
     if accumulate:
         dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
         dq = dq[:, :seq_q, :, :head_dim]

@@ -358,6 +358,12 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     )(q, k, v, do, lse2, delta, *optional.inputs(t))
 
 
+def fused_dq_takes(t: Tiling) -> bool:
+    """Whether `dkv_dq` runs tiling `t`: it takes none of the optional inputs (ALiBi, the
+    ranges of lengths and segments, dropout), which the two-kernel backward (dkv + dq) takes."""
+    return not (t.alibi or t.ranges or t.dropout_rate)
+
+
 def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype and dQ / scale [B, Tqp, H, D] in float32, in one pass.
 
@@ -386,8 +392,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
-    assert not (t.alibi or t.ranges or t.dropout_rate), \
-        "ALiBi, lengths, segments and dropout run on the two-kernel backward (dkv + dq)"
+    assert fused_dq_takes(t), "ALiBi, lengths, segments and dropout run on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

@@ -366,11 +366,9 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
 def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = False):
     """Dropout's keep mask of a [block_q, block_kv] tile in the wgmma register layout (or
     [block_kv, block_q] with `transposed`): `flashjax.dropout.tile_keep` of the query and
-    key positions, the same bits as the Triton kernels' and the reference's. The row keys
-    are hashed once per query row, in the layout of the tile's query dim, then broadcast.
-    None without dropout (`stream` None)."""
-    if stream is None:
-        return None
+    key positions, the same bits as the Triton kernels' and the reference's, for the dropout
+    `stream` (`OptionalInputs.dropout_stream`). The row keys are hashed once per query row,
+    in the layout of the tile's query dim, then broadcast."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
     rows = plgpu.broadcasted_iota(jnp.int32, (shape[q_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(k_dim)) + q_start
     row_keys = lax.broadcast_in_dim(dropout.row_keys(stream, rows), shape, [q_dim])

@@ -39,7 +39,7 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
         # Reductions over int32: Triton has no boolean any/all.
         seen = jnp.max(jnp.where(attend & valid, 1, 0))
         missed = jnp.max(jnp.where(attend | ~valid, 0, 1))
-        code = jnp.where(seen > 0, jnp.where(missed > 0, flex.PARTIAL, flex.FULL), flex.EMPTY)
+        code = flex.tile_class(seen > 0, missed == 0)
         return jnp.where(lax.broadcasted_iota(jnp.int32, (tiles,), 0) == t, code, codes)
 
     codes = lax.fori_loop(0, tiles, one_tile, jnp.zeros((tiles,), jnp.int32))
