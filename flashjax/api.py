@@ -260,6 +260,8 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         mods=frozenset(name for name, value in mods.items() if value is not None),
         v_head_dim=v.shape[3] if v.shape[3] != head_dim else None,
         platform=platform, compute_capability=capability,
+        pair_arrays=tuple((name, tuple(given[name].shape), jnp.dtype(given[name].dtype).name)
+                          for name in ("bias", "mask") if given[name] is not None),
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,

@@ -69,6 +69,8 @@ class Call:
       mods: names of the user functions given (a subset of MOD_OPTIONS).
       platform: JAX's default backend ("gpu", "cpu", ...).
       compute_capability: of the first GPU ("9.0" on Hopper), "" elsewhere.
+      pair_arrays: (name, 4-D shape, dtype name) of each [B, H, Tq, Tk] array given (bias,
+        mask), with size-1 broadcast dims.
     """
 
     batch: int
@@ -88,6 +90,7 @@ class Call:
     v_head_dim: int | None = None
     platform: str = "cpu"
     compute_capability: str = ""
+    pair_arrays: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     @property
     def scores(self) -> int:

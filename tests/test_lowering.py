@@ -153,6 +153,11 @@ MOSAIC_CASES = [
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-dropout"),
     pytest.param(4, 1, 128, False, {"fwd_schedule": "overlap", "bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
                  id="d128-dropout-broadcast-overlap-accumulate"),
+    # A bias, a mask (folded into the bias), each tile-streamed beside K/V (Q in the dK/dV kernel).
+    pytest.param(8, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-bias-gqa4"),
+    pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-mask-overlap-mqa"),
+    pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
+                 id="d128-bias-mask-segments-softcap-accumulate"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -164,6 +169,7 @@ MOSAIC_OPTIONS = {
     "d64-segments-window-overlap": dict(window=(300, 20)),
     "d128-causal-dropout": dict(dropout_rate=0.1),
     "d128-dropout-broadcast-overlap-accumulate": dict(dropout_rate=0.25, broadcast_dropout=True),
+    "d128-bias-mask-segments-softcap-accumulate": dict(softcap=30.0),
 }
 # Extras (optional arrays) of the cases above (by id).
 MOSAIC_EXTRAS = {
@@ -180,14 +186,21 @@ MOSAIC_EXTRAS = {
                                            kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
     "d64-segments-window-overlap": Extras(q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
                                           kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
+    "d128-causal-bias-gqa4": Extras(bias=jnp.zeros((1, 8, SEQ_Q, SEQ_K), jnp.bfloat16)),
+    "d64-mask-overlap-mqa": Extras(mask=jnp.ones((2, 1, SEQ_Q, SEQ_K), bool)),
+    "d128-bias-mask-segments-softcap-accumulate": Extras(
+        bias=jnp.zeros((1, 4, SEQ_Q, SEQ_K), jnp.bfloat16), mask=jnp.ones((1, 4, SEQ_Q, SEQ_K), bool),
+        q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32), kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
 }
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,causal,overrides,kernels", MOSAIC_CASES)
-def test_mosaic_kernels_lower_for_sm90(request, heads, kv_heads, head_dim, causal, overrides, kernels):
+def test_mosaic_kernels_lower_for_sm90(request, fake_h100, heads, kv_heads, head_dim, causal, overrides, kernels):
     """The Hopper kernels go through Pallas' Mosaic GPU lowering (layouts, wgmma operand
-    shapes, barriers, semaphores) without a GPU; what only ptxas or the device checks
-    (register allocation, running) is left to tests/test_mosaic.py on the device."""
+    shapes, barriers, semaphores, the shared-memory limit) without a GPU; what only ptxas or
+    the device checks (register allocation, running) is left to tests/test_mosaic.py on the
+    device. A bias or mask is the one score-sized array: in its own broadcast shape
+    [1 or B, 1 or H, ...] (padded, transposed for the dK/dV kernel), never [B, H, ...]."""
     import dataclasses
 
     dtype = jnp.bfloat16
@@ -199,7 +212,8 @@ def test_mosaic_kernels_lower_for_sm90(request, heads, kv_heads, head_dim, causa
     )
     q = jax.ShapeDtypeStruct((2, SEQ_Q, heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((2, SEQ_K, kv_heads, head_dim), dtype)
-    text = lower_attention_for_cuda(params, q, kv, MOSAIC_EXTRAS.get(request.node.callspec.id, Extras()))
+    extras = MOSAIC_EXTRAS.get(request.node.callspec.id, Extras())
+    text = lower_attention_for_cuda(params, q, kv, extras)
     assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
     names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
     assert names == set(kernels), names
@@ -207,7 +221,10 @@ def test_mosaic_kernels_lower_for_sm90(request, heads, kv_heads, head_dim, causa
     q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
     k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
     shapes = tensor_shapes(text)
-    assert shapes and not score_sized(shapes, q_lens, k_lens), score_sized(shapes, q_lens, k_lens)
+    pair_dims = {x.shape[:2] for x in (extras.bias, extras.mask) if x is not None}
+    assert all(dims != (2, heads) for dims in pair_dims), "the case would hide score tensors behind the bias's shape"
+    found = [s for s in score_sized(shapes, q_lens, k_lens) if not (len(s) == 4 and s[:2] in pair_dims)]
+    assert shapes and not found, found
 
 
 DECODE_CASES = [

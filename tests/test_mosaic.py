@@ -191,20 +191,39 @@ def test_auto_runs_on_hopper(make_inputs, reference_fwd, assert_close):
 
 # ---- refusals: on every machine ------------------------------------------------------------
 def _arrays(dtype=BF16, d=64):
-    q = jnp.ones((1, 16, 2, d), dtype)
+    q = jnp.ones((2, 16, 2, d), dtype)
     return q, q, q
 
 
-@pytest.mark.parametrize(
-    "kwargs,feature",
-    [
-        (dict(bias=jnp.zeros((16, 16))), "bias"),
-        (dict(mask=jnp.ones((16, 16), bool)), "mask"),
-    ],
-)
-def test_unsupported_features_are_named(kwargs, feature):
-    with pytest.raises(NotImplementedError, match=f"mosaic.*{feature}"):
-        flashjax.flash_attention(*_arrays(), backend="mosaic", **kwargs)
+PAIR_CASES = [
+    # (bias, mask) as (shape, dtype) or None, the reason expected (None: supported)
+    pytest.param(((16, 16), jnp.float32), None, "float32 bias with bfloat16 inputs", id="float32-bias"),
+    pytest.param(None, ((1, 1, 1, 16), bool), "broadcast along q_len or kv_len", id="seq-broadcast-mask"),
+    pytest.param(((1, 2, 16, 16), BF16), ((2, 1, 16, 16), bool), "larger than either", id="bias-mask-product"),
+    pytest.param(((1, 2, 16, 16), BF16), ((1, 2, 16, 16), bool), None, id="bias-and-mask"),
+    pytest.param(None, ((2, 1, 16, 16), bool), None, id="mask"),
+    pytest.param(((16, 16), BF16), None, None, id="bias-2d"),
+    pytest.param(((16, 16), BF16), None, "together with segment_ids", id="bias-segments"),
+]
+
+
+@pytest.mark.parametrize("bias,mask,reason", PAIR_CASES)
+def test_bias_and_mask_support(bias, mask, reason):
+    """The Hopper kernels take a bias and a boolean mask of [Tq, Tk] tiles; what they cannot
+    take is named (on every machine; without a Hopper GPU that reason comes too)."""
+    arrays = {name: jnp.zeros(spec[0], spec[1]) for name, spec in (("bias", bias), ("mask", mask)) if spec is not None}
+    q = _arrays()[0]
+    if reason == "together with segment_ids":
+        arrays["segment_ids"] = jnp.zeros(q.shape[:2], jnp.int32)
+    if reason is None:
+        reasons = backends.get("mosaic").supports(dataclasses.replace(
+            _hopper_call(), batch=2, seq_q=16, seq_k=16, heads=2, kv_heads=2, head_dim=64,
+            arrays=frozenset(arrays), pair_arrays=tuple(
+                (name, (1,) * (4 - x.ndim) + x.shape, jnp.dtype(x.dtype).name) for name, x in arrays.items())))
+        assert reasons == [], reasons
+    else:
+        with pytest.raises(NotImplementedError, match=f"mosaic.*{reason}"):
+            flashjax.flash_attention(q, q, q, backend="mosaic", **arrays)
 
 
 def _hopper_call(**options) -> backends.Call:
@@ -216,11 +235,14 @@ def _hopper_call(**options) -> backends.Call:
     dict(window=(256, 0)), dict(softcap=30.0), dict(causal=True, window=(1024, None), softcap=50.0),
     dict(arrays=frozenset({"q_lengths"})), dict(arrays=frozenset({"kv_lengths"})),
     dict(causal=True, arrays=frozenset({"q_lengths", "kv_lengths", "alibi_slopes"})),
-    dict(causal=True, arrays=frozenset({"segment_ids"})), dict(causal=True, dropout_rate=0.1)],
-    ids=["window", "softcap", "window-softcap", "q-lengths", "kv-lengths", "lengths-alibi", "segments", "dropout"])
+    dict(causal=True, arrays=frozenset({"segment_ids"})), dict(causal=True, dropout_rate=0.1),
+    dict(arrays=frozenset({"bias"}), pair_arrays=(("bias", (1, 8, 4096, 4096), "bfloat16"),)),
+    dict(causal=True, softcap=30.0, arrays=frozenset({"mask"}), pair_arrays=(("mask", (1, 1, 4096, 4096), "bool"),))],
+    ids=["window", "softcap", "window-softcap", "q-lengths", "kv-lengths", "lengths-alibi", "segments", "dropout",
+         "bias", "mask-softcap"])
 def test_auto_takes_hopper_for_its_options(options):
-    """On an sm90 GPU `auto` runs windows, the softcap, ALiBi, lengths, segment ids and dropout
-    on the Hopper kernels, forward and backward."""
+    """On an sm90 GPU `auto` runs windows, the softcap, ALiBi, lengths, segment ids, dropout,
+    a bias and a mask on the Hopper kernels, forward and backward."""
     call = _hopper_call(**options)
     assert backends.get("mosaic").supports(call) == []
     choice = backends.choose(call)
@@ -382,6 +404,51 @@ def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rn
     got = mosaic_vjp(kernel_vjp, x, config=config, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
+
+
+BIAS_MASK_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, bias shape, mask shape, other options
+    pytest.param((1, 1024, 1024, 8, 2, 128), True, (1, 8, 1024, 1024), None, {}, id="T1024-causal-bias1H-gqa4"),
+    pytest.param((2, 1000, 1000, 4, 1, 64), False, None, (2, 1, 1000, 1000), dict(fwd_schedule="overlap"),
+                 id="T1000-mask-B1-mqa-overlap"),
+    pytest.param((2, 300, 1000, 4, 4, 128), True, (2, 4, 300, 1000), (2, 4, 300, 1000),
+                 dict(softcap=30.0, bwd_dq="accumulate"), id="q300<k1000-causal-bias-mask-softcap-accumulate"),
+    pytest.param((2, 1000, 130, 4, 2, 64), False, (1, 1, 1000, 130), (1, 1, 1000, 130), dict(window=(64, 64)),
+                 id="q1000>k130-window-bias11-mask11"),
+    pytest.param((2, 1536, 1536, 4, 2, 128), True, (2, 1, 1536, 1536), None, {}, id="T1536-causal-biasB1-gqa2"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("shape,causal,bias_shape,mask_shape,other", BIAS_MASK_CASES)
+def test_bias_and_mask(make_inputs, key, shape, causal, bias_shape, mask_shape, other, dtype):
+    """A bias (with dbias from the Triton dbias kernel, reduced over its broadcast dims) and a
+    boolean mask folded into it: against the reference, forward and every gradient; mask
+    rows all False (and bias entries at the masking value) give rows without keys: o = 0,
+    lse = -inf, zero gradients."""
+    from test_variants import assert_empty_rows_are_zero, assert_matches, run_both  # the variants' checks
+
+    x = make_inputs(*shape, dtype=dtype)
+    other = dict(other)
+    config = dataclasses.replace(MosaicConfig.default(shape[5]),
+                                 **{name: other.pop(name) for name in ("fwd_schedule", "bwd_dq") if name in other})
+    bias = None
+    if bias_shape is not None:
+        bias = (2.0 * jax.random.normal(key, bias_shape, jnp.float32)).astype(dtype)
+        # Three rows at -3e38 (finite in bfloat16, -inf in float16): at or below
+        # masks.MASKING_BIAS, masked like the mask's False.
+        bias = bias.at[..., :3, :].set(-3e38)
+    if mask_shape is not None:
+        mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.8, mask_shape)
+        other["mask"] = mask.at[..., 5:9, :].set(False)  # rows without keys
+    arrays = {"mask": other.pop("mask")} if "mask" in other else {}
+    # One jit around both (op-by-op evaluation would compile every op of the reference).
+    both = jax.jit(lambda x, bias, arrays: run_both(x, bias=bias, config=config, backend="mosaic", causal=causal,
+                                                    **arrays, **other))
+    got, want = both(x, bias, arrays)
+    assert_matches(got, want, dtype)
+    assert_empty_rows_are_zero(got, want)
 
 
 def test_float32_is_refused():

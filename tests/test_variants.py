@@ -45,8 +45,9 @@ def attention_vjp(attention, q, k, v, bias, do, dlse, kwargs) -> Outputs:
     return Outputs(o, lse, *pullback((do.astype(o.dtype), dlse)))
 
 
-def run_both(inputs, *, bias=None, config=SMALL_TILES, **kwargs) -> tuple[Outputs, Outputs]:
-    """(kernel, reference) outputs and gradients for the same inputs and options.
+def run_both(inputs, *, bias=None, config=SMALL_TILES, backend="triton", **kwargs) -> tuple[Outputs, Outputs]:
+    """(kernel, reference) outputs and gradients for the same inputs and options, the kernel
+    on `backend` with `config`.
 
     The reference runs in float32 on upcast inputs. The lse cotangent is zeroed on
     rows whose reference lse is -inf (the lse is constant there, its cotangent moot).
@@ -56,7 +57,7 @@ def run_both(inputs, *, bias=None, config=SMALL_TILES, **kwargs) -> tuple[Output
     _, ref_lse = reference.attention(up(q), up(k), up(v), bias=up(bias), return_lse=True, **kwargs)
     dlse = jnp.where(ref_lse == -jnp.inf, 0.0, inputs.dlse)
     want = attention_vjp(reference.attention, up(q), up(k), up(v), up(bias), up(do), dlse, kwargs)
-    kernel = lambda *a, **kw: flashjax.flash_attention(*a, backend="triton", config=config, **kw)
+    kernel = lambda *a, **kw: flashjax.flash_attention(*a, backend=backend, config=config, **kw)
     got = attention_vjp(kernel, q, k, v, bias, do, dlse, kwargs)
     return got, want
 

@@ -7,9 +7,10 @@ zero-padded here; the kernels' mask spec knows the true lengths and masks the pa
 keys, and padded query rows are dropped.
 
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
-a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), dropout (the
-Triton kernels' keep bits), GQA/MQA, any sequence lengths, on an sm90 GPU.
-`supports` names everything else.
+a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), an additive bias
+and a boolean mask (each [B or 1, H or 1, Tq, Tk]; the mask is folded into the bias as
+-inf), dropout (the Triton kernels' keep bits), GQA/MQA, any sequence lengths, on an sm90
+GPU. `supports` names everything else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from flashjax import backends, masks
 from flashjax.kernels import common
+from flashjax.kernels.triton import backend as triton_backend
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, fwd as mosaic_fwd
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_dim
@@ -29,7 +31,7 @@ from flashjax.params import AttentionParams, Call, Extras
 DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout")
+OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout", "bias", "mask")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -47,6 +49,37 @@ def supports(call: Call) -> list[str]:
     if call.v_head_dim is not None:
         reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
+    return reasons + _pair_array_reasons(call)
+
+
+def _pair_array_reasons(call: Call) -> list[str]:
+    """Why the kernels cannot take the call's bias and mask: they read one array of [Tq, Tk]
+    tiles in the inputs' dtype (the mask folded into the bias)."""
+    if not call.pair_arrays:
+        return []
+    names = " and ".join(name for name, _, _ in call.pair_arrays)
+    reasons = []
+    if padded_head_dim(call.head_dim) > 128:
+        reasons.append(f"{names} at head_dim {call.head_dim} > 128 (the bias tiles beside K/V exceed shared memory)")
+    broadcast = [name for name, shape, _ in call.pair_arrays if shape[2:] != (call.seq_q, call.seq_k)]
+    if broadcast:
+        reasons.append(f"{' and '.join(broadcast)} broadcast along q_len or kv_len (the kernels read [Tq, Tk] "
+                       "tiles; for padding pass q_lengths / kv_lengths)")
+    for name, _, dtype in call.pair_arrays:
+        if name == "bias" and dtype != jnp.dtype(call.dtype).name:
+            reasons.append(f"a {dtype} bias with {jnp.dtype(call.dtype).name} inputs (the kernels read the bias in "
+                           "the inputs' dtype: cast it to use them)")
+    ranges = sorted({"q_lengths", "kv_lengths", "segment_ids"} & call.arrays)
+    if ranges:
+        # The combination lowers, and each part passes on a GPU, but the combination has not
+        # run there yet (benchmarks/results/mosaic-notes.md); until then the Triton kernels run it.
+        reasons.append(f"{names} together with {' and '.join(ranges)} (not verified on a GPU yet)")
+    if len(call.pair_arrays) == 2:
+        (_, bias_shape, _), (_, mask_shape, _) = call.pair_arrays
+        combined = tuple(max(a, b) for a, b in zip(bias_shape, mask_shape))
+        if combined not in (bias_shape, mask_shape):
+            reasons.append(f"bias {bias_shape} and mask {mask_shape} broadcast to {combined}, larger than either "
+                           "(the kernels take them as one array)")
     return reasons
 
 
@@ -71,15 +104,34 @@ def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, blo
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
                   scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
                   ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None,
-                  dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout)
+                  dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
+                  bias=extras.bias is not None or extras.mask is not None)
 
 
-def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
+def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int, *, transposed: bool = False):
+    """The kernels' bias input: the bias with the boolean mask folded in as -inf, in the
+    inputs' dtype, zero-padded to [Bb, Hb, q_len, k_len] (padded keys are masked by the
+    lengths, padded query rows dropped), or its transpose for the dK/dV kernel; None
+    without either."""
+    bias, mask = extras.bias, extras.mask
+    if bias is None and mask is None:
+        return None
+    if mask is None:
+        combined = bias.astype(dtype)
+    else:
+        combined = jnp.where(mask, jnp.zeros((), dtype) if bias is None else bias.astype(dtype), -jnp.inf).astype(dtype)
+    widths = ((0, 0), (0, 0), (0, q_len - combined.shape[2]), (0, k_len - combined.shape[3]))
+    combined = jnp.pad(combined, widths)
+    return jnp.swapaxes(combined, 2, 3) if transposed else combined
+
+
+def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, dtype, *,
               by_key_block: bool = False) -> OptionalInputs:
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
-    slopes, the segment ids (`common.pad_segment_ids`), and the lengths and segments folded into per-tile ranges
-    (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for the dK/dV
-    kernel, by key tile."""
+    slopes, the segment ids (`common.pad_segment_ids`), the lengths and segments folded into
+    per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
+    the dK/dV kernel, by key tile, and the bias with the mask (`_kernel_bias`, transposed
+    for the dK/dV kernel)."""
     q_seg = kv_seg = ranges = None
     if t.segments:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
@@ -91,6 +143,7 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             by_key_block=by_key_block,
         )
     return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                          bias=_kernel_bias(extras, dtype, q_len, k_len, transposed=by_key_block),
                           dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None)
 
 
@@ -103,27 +156,43 @@ def _drop_padded_rows(o, lse, q_lengths):
     return jnp.where(valid[:, :, None, None], o, 0.0).astype(o.dtype), jnp.where(valid[:, None, :], lse, -jnp.inf)
 
 
+def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) -> str:
+    """The config's schedule; "auto" with a bias is "pingpong": the overlapped loop keeps
+    the next P V product's accumulator in registers beside the score tile, with no room
+    left for the bias tile."""
+    if config.fwd_schedule == "auto" and t.bias:
+        return "pingpong"
+    return config.forward_schedule(params.causal)
+
+
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
     # `supports` lets through the ALiBi slopes, the lengths, the segment ids and the dropout seed.
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
-    t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     dim = padded_head_dim(head_dim)
+    stages = config.stages
+    if (extras.bias is not None or extras.mask is not None) and dim == 128 and block_kv > 64:
+        # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
+        # head dim 128; 64-key tiles fit with a stage more.
+        block_kv, stages = 64, stages + 1
+    t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, stages)
     q_len = common.round_up(seq_q, COMPUTE_WGS * t.block_q)
     k_len = common.round_up(seq_k, t.block_kv)
     pad = common.pad_tokens
     o, lse2 = mosaic_fwd.forward(
-        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, config.forward_schedule(params.causal),
-        _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len),
+        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, _forward_schedule(config, params, t),
+        _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype),
     )
     return _drop_padded_rows(o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, Extras()) given the forward's o and lse and the cotangents of both
-    (the ALiBi slopes get no gradient)."""
+    """Returns (dq, dk, dv, Extras(bias=dbias)) given the forward's o and lse and the cotangents of
+    both (the ALiBi slopes get no gradient). dbias (float32, in the bias's broadcast shape)
+    comes from the Triton backend's dbias kernel, a separate kernel that XLA drops when the
+    bias gradient is not used."""
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
@@ -134,6 +203,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
                   and mosaic_bwd.fused_dq_takes(t))
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
+    if t.bias:
+        # The bias ring beside the K/V ring: 128-key tiles of both would exceed shared memory.
+        dq_block_kv = 64
     if accumulate:
         q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, pair)
     else:
@@ -156,10 +228,14 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     else:
         t_dq = dataclasses.replace(t, block_kv=dq_block_kv)
         dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
-                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, by_key_block=True))
-        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq, _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len))
+                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True))
+        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
+                           _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype))
         dq = dq[:, :seq_q, :, :head_dim]
-    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras()
+    dbias = None
+    if extras.bias is not None:
+        dbias = triton_backend.bias_gradient(q, k, v, o, lse, do, dlse, extras, params)
+    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras(bias=dbias)
 
 
 BACKEND = backends.Backend(

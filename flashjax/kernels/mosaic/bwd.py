@@ -58,7 +58,7 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
 
 
 def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
-               kv_seg=None, stream=None):
+               kv_seg=None, stream=None, bias_t=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
     With dropout (`stream`, the query head's dropout stream) dV takes the dropped weights
@@ -67,13 +67,14 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
     query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
     (with ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
-    tiles with segments). Returns dv and dS^T, float32 [block_kv, block_q]."""
+    tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]).
+    Returns dv and dS^T, float32 [block_kv, block_q]."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=None if slope is None else i * block_q,
-                                   k_start=k_start, transposed=True)
+                                   k_start=k_start, transposed=True, bias=bias_t)
     if masked:
         s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length, q_seg=q_seg,
                                kv_seg=kv_seg)
@@ -100,15 +101,15 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
-    `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...] and the
-    segment ids."""
+    `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...], the
+    segment ids and the bias transposed, [Bb, Hb, Tkp, Tqp]."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
     stages = t.stages
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dk_ref, dv_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dk_ref, dv_ref, bias_scratch, scoped):
         b = lax.axis_index("batch")
         hk = lax.axis_index("heads")
 
@@ -118,6 +119,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped[:3]
         # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
         kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
+        # With a bias: the ring of its transposed tiles (both consumers' key rows) and their barriers.
+        bias_smem, bias_ready = bias_scratch
         ring_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if t.segments else ())
         pair = lax.axis_index("pair")
         # The producer streams, for every query head of the group, the query tiles either
@@ -154,8 +157,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
+                bias_t = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, slot, wg, block_kv)
                 dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
-                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream)
+                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -169,6 +173,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 # ring's barriers in step without computing.
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
+                if t.bias:
+                    plgpu.barrier_wait(bias_ready.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
 
             def head(g, carry):
@@ -193,6 +199,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
                 if t.segments:
                     plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem.at[slot], q_seg_ready.at[slot])
+                if t.bias:  # transposed: the pair's key rows, this query tile's columns
+                    keys = pl.ds(pair * COMPUTE_WGS * block_kv, COMPUTE_WGS * block_kv)
+                    plgpu.copy_gmem_to_smem(opt.bias_plane(b, h).at[keys, rows], bias_smem.at[slot], bias_ready.at[slot])
                 _load_query_tile(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
                     (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
@@ -220,8 +229,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             plgpu.SMEM((stages, block_q), jnp.float32),
         )
         ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
-        pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, scoped),
+        common.with_bias_scratch(
+            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, bias, scoped),
+            t, COMPUTE_WGS * block_kv, block_q, stages, dtype,
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             *common.segment_scratch(t, block_kv, block_q, stages), collective_axes="wg",
         )
@@ -243,7 +253,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     stages = max(1, min(t.stages, n_kv))
     scale_log2 = t.exp2_scale
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dq_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dq_ref, bias_scratch, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         slope = None if opt.slopes is None else opt.slopes[h]
@@ -255,7 +265,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), (k_ready, v_ready, own_ready), (k_free, v_free) = scoped[:3]
         # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
         q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[3] if t.segments else (None,) * 4
-        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ())
+        # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
+        bias_smem, bias_ready = bias_scratch
+        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
@@ -286,8 +298,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
+                bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, slot, wg, block_q)
                 s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
-                                           k_start=None if slope is None else j * block_kv)
+                                           k_start=None if slope is None else j * block_kv, bias=bias)
                 if masked:
                     s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
                                          kv_seg=kv_seg)
@@ -327,7 +340,12 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
                 segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
+                bias=(bias_rows, bias_smem, bias_ready) if t.bias else None,
             )
+
+        def bias_rows(j):
+            rows = pl.ds(pair * COMPUTE_WGS * block_q, COMPUTE_WGS * block_q)
+            return opt.bias_plane(b, h).at[rows, pl.ds(j * block_kv, block_kv)]
 
         common.warp_specialized(_consumer, _producer)
 
@@ -348,8 +366,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
             plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
-        pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dq_ref, scoped),
+        common.with_bias_scratch(
+            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dq_ref, bias, scoped),
+            t, COMPUTE_WGS * block_q, block_kv, stages, dtype,
             smem, ready, free, *common.segment_scratch(t, block_q, block_kv, stages), collective_axes="wg",
         )
 
@@ -360,8 +379,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
 def fused_dq_takes(t: Tiling) -> bool:
     """Whether `dkv_dq` runs tiling `t`: it takes none of the optional inputs (ALiBi, the
-    ranges of lengths and segments, dropout), which the two-kernel backward (dkv + dq) takes."""
-    return not (t.alibi or t.ranges or t.dropout_rate)
+    ranges of lengths and segments, a bias, dropout), which the two-kernel backward (dkv +
+    dq) takes."""
+    return not (t.alibi or t.ranges or t.bias or t.dropout_rate)
 
 
 def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
@@ -392,7 +412,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     pair = COMPUTE_WGS * block_kv
-    assert fused_dq_takes(t), "ALiBi, lengths, segments and dropout run on the two-kernel backward (dkv + dq)"
+    assert fused_dq_takes(t), "ALiBi, lengths, segments, a bias and dropout run on the two-kernel backward (dkv + dq)"
     assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
     assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
     dq_cols = head_dim // COMPUTE_WGS

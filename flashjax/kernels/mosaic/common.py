@@ -54,6 +54,10 @@ class Tiling:
         and drop attention weights with `flashjax.dropout`'s counter-based keep mask, the
         Triton kernels' bits for the same seed.
       broadcast_dropout: one keep mask for every batch row and head.
+      bias: the kernels take an additive bias in the inputs' dtype (the input before the
+        dropout seed): [Bb, Hb, Tqp, Tkp] with Bb in (1, B) and Hb in (1, H), or for the
+        dK/dV kernel its transpose [Bb, Hb, Tkp, Tqp]. A boolean mask arrives folded into it
+        as -inf; values at or below `masks.MASKING_BIAS` mask, as in the Triton kernels.
     """
 
     block_q: int
@@ -67,6 +71,7 @@ class Tiling:
     segments: bool = False
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
+    bias: bool = False
 
     @property
     def exp2_scale(self) -> float:
@@ -91,12 +96,14 @@ class Tiling:
 class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
     the tiling does not take it: ALiBi slopes float32 [H], the tile ranges of lengths and
-    segments, the segment ids int32 [B, Tqp] and [B, Tkp], and the dropout seed uint32 [2]."""
+    segments, the segment ids int32 [B, Tqp] and [B, Tkp], the bias (`Tiling.bias`) and the
+    dropout seed uint32 [2]."""
 
     slopes: object = None
     ranges: object = None
     q_segment_ids: object = None
     kv_segment_ids: object = None
+    bias: object = None
     dropout_seed: object = None
 
     def inputs(self, t: Tiling) -> tuple:
@@ -104,9 +111,11 @@ class OptionalInputs(NamedTuple):
         assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.ranges, (t, self)
         assert (self.q_segment_ids is not None) == (self.kv_segment_ids is not None) == t.segments, (t, self)
         assert (self.dropout_seed is not None) == (t.dropout_rate > 0.0), (t, self)
+        assert (self.bias is not None) == t.bias and (self.bias is None or self.bias.ndim == 4), (t, self)
         slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
         seed = None if self.dropout_seed is None else self.dropout_seed.astype(jnp.uint32)
-        return tuple(x for x in (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids, seed) if x is not None)
+        arrays = (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
+        return tuple(x for x in arrays if x is not None)
 
     @classmethod
     def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
@@ -116,8 +125,9 @@ class OptionalInputs(NamedTuple):
         slopes = refs.pop(0) if t.alibi else None
         ranges = refs.pop(0) if t.ranges else None
         q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if t.segments else (None, None)
+        bias = refs.pop(0) if t.bias else None
         seed = refs.pop(0) if t.dropout_rate > 0.0 else None
-        return cls(slopes, ranges, q_seg, kv_seg, seed), refs
+        return cls(slopes, ranges, q_seg, kv_seg, bias, seed), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
         """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
@@ -132,6 +142,12 @@ class OptionalInputs(NamedTuple):
             return None
         stream = jnp.uint32(0) if t.broadcast_dropout else (b * heads + h).astype(jnp.uint32)
         return dropout.stream_base(self.dropout_seed[0], self.dropout_seed[1], stream)
+
+    def bias_plane(self, b, h):
+        """The bias ref's [T, T] plane of batch row b and query head h (index 0 along a
+        broadcast dim)."""
+        bias_batch, bias_heads = self.bias.shape[:2]
+        return self.bias.at[b if bias_batch > 1 else 0, h if bias_heads > 1 else 0]
 
     def kv_length(self, b, tile):
         """Batch row b's kv length (None without ranges: the mask spec's seq_k)."""
@@ -244,7 +260,7 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
-              segments=None):
+              segments=None, bias=None):
     """The producer's loop: TMA copies of the K and V tiles [lo, hi) into a ring of
     `stages` slots, tile j into slot (j - lo) % stages.
 
@@ -252,7 +268,10 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
     gmem refs at key tile j. segments: (ids [B, Tkp] int32 gmem ref, ring [stages,
     block_kv] int32, ready barriers): the key tile's segment ids (at at(j)'s batch row and
-    keys), copied beside K (the consumers read them before they release K)."""
+    keys), copied beside K (the consumers read them before they release K). bias:
+    (tile(j): the gmem ref of key tile j's bias rows for both consumers' query tiles, ring
+    [stages, rows, block_kv], ready barriers): copied with V into the slot that V's free
+    barrier releases (the consumers read it before P V)."""
     k_ready, v_ready = ready
     k_free, v_free = free
 
@@ -266,6 +285,9 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
         if wait:
             plgpu.barrier_wait(v_free.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[at(j)], v_smem.at[slot], v_ready.at[slot])
+        if bias is not None:
+            tile, bias_smem, bias_ready = bias
+            plgpu.copy_gmem_to_smem(tile(j), bias_smem.at[slot], bias_ready.at[slot])
 
     for i in range(stages):
         pl.when(lo + i < hi)(lambda i=i: load(lo + i, i, wait=False))
@@ -313,14 +335,16 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     lax.fori_loop(lo, hi, body, None)
 
 
-def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False):
+def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False, bias=None):
     """The logits of a score tile s = Q K^T (float32, wgmma register layout), in the units
     `Tiling.exp2_scale` takes: s itself, or with a softcap ``softcap * tanh(scale * s /
-    softcap)``; with `slope` (this head's ALiBi slope) minus ``slope * |q + offset - k|`` in
-    those units, for queries [q_start, ...) and keys [k_start, ...) (`mask_tile`'s layout).
-    Returns (logits, d logits / d s divided by the scale, or None without a softcap; ALiBi
-    does not depend on s). With `mask_tile` after it on boundary tiles, the one scoring path
-    of the Hopper kernels: the forward and both backward kernels call the pair.
+    softcap)``; plus `bias` (the tile's bias, float32 in s's layout; -inf at or below
+    `masks.MASKING_BIAS`) in those units; with `slope` (this head's ALiBi slope) minus
+    ``slope * |q + offset - k|``, for queries [q_start, ...) and keys [k_start, ...)
+    (`mask_tile`'s layout). Returns (logits, d logits / d s divided by the scale, or None
+    without a softcap; the bias and ALiBi do not depend on s). With `mask_tile` after it on
+    boundary tiles, the one scoring path of the Hopper kernels: the forward and both
+    backward kernels call the pair.
     """
     dlogits = None
     if t.softcap is not None:
@@ -329,12 +353,15 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
         x = s * (t.scale / t.softcap)
         tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
         s, dlogits = tanh * t.softcap, 1.0 - tanh * tanh
+    # Without a softcap the logits are still in units of q.k (the scale is folded into
+    # exp2_scale), so additive terms are divided by the scale.
+    unit = 1.0 if t.softcap is not None else 1.0 / t.scale
+    if bias is not None:
+        s = s + masks.bias_logits(bias) * unit
     if slope is not None:
         rows, cols = _positions(s.shape, q_start, k_start, transposed)
         distance = jnp.abs(rows + t.spec.offset - cols).astype(jnp.float32)
-        # Without a softcap the logits are still in units of q.k (the scale is folded into
-        # exp2_scale), so the bias is divided by the scale.
-        s = s - (slope if t.softcap is not None else slope * (1.0 / t.scale)) * distance
+        s = s - (slope if unit == 1.0 else slope * unit) * distance
     return s, dlogits
 
 
@@ -361,6 +388,27 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
         q_dim, k_dim = (1, 0) if transposed else (0, 1)
         allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
     return jnp.where(allowed, s, -jnp.inf)
+
+
+def with_bias_scratch(kernel, t: Tiling, rows: int, cols: int, stages: int, dtype, *scratch, **kwargs):
+    """`pl.run_scoped(lambda *scoped: kernel(bias, scoped), *scratch, **kwargs)`, where with a
+    bias `bias` is (a ring of `stages` bias tiles of [rows, cols] (both consumers' rows),
+    its ready barriers) and without one (None, None). The ring is allocated first: after
+    the small buffers its 1024-byte alignment would cost shared memory the forward at head
+    dim 128 does not have."""
+    if not t.bias:
+        return pl.run_scoped(lambda *scoped: kernel((None, None), scoped), *scratch, **kwargs)
+    ring = plgpu.SMEM((stages, rows, cols), dtype, transforms=smem_tiles())
+    return pl.run_scoped(lambda ring, *scoped: kernel((ring, scoped[-1]), scoped[:-1]), ring, *scratch,
+                         plgpu.Barrier(num_barriers=stages), **kwargs)
+
+
+def bias_tile(smem, ready, slot, wg, rows: int):
+    """Consumer `wg`'s rows [wg * rows, (wg + 1) * rows) of the bias tile in ring `slot`, waited
+    for, in the wgmma register layout (float32)."""
+    plgpu.barrier_wait(ready.at[slot])
+    tile = plgpu.load(smem.at[slot, pl.ds(wg * rows, rows)], layout=plgpu.Layout.WGMMA)
+    return tile.astype(jnp.float32)
 
 
 def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = False):

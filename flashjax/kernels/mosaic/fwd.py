@@ -65,6 +65,9 @@ class _Consumer(NamedTuple):
     kv_seg_smem: object = None  # the ring of the key tiles' segment ids, and its ready barriers
     kv_seg_ready: object = None
     drop_stream: object = None  # this (batch row, head)'s dropout stream, with dropout
+    bias_smem: object = None  # the ring of bias tiles (both consumers' rows) and its ready barriers, with a bias
+    bias_ready: object = None
+    wg: object = None  # this consumer's index (its rows of a bias tile)
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -96,9 +99,15 @@ class _Consumer(NamedTuple):
             p = common.drop(p, self.t, keep)
         return p.astype(self.q_smem.dtype)
 
-    def logits(self, s, j, masked: bool, kv_seg=None):
+    def bias(self, slot):
+        """This consumer's rows of the bias tile in `slot` (None without a bias)."""
+        if self.bias_smem is None:
+            return None
+        return common.bias_tile(self.bias_smem, self.bias_ready, slot, self.wg, self.t.block_q)
+
+    def logits(self, s, j, masked: bool, kv_seg=None, bias=None):
         s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
-                             k_start=None if self.slope is None else j * self.t.block_kv)
+                             k_start=None if self.slope is None else j * self.t.block_kv, bias=bias)
         if masked:
             s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv, kv_length=self.kv_length,
                                  q_seg=self.q_seg, kv_seg=kv_seg)
@@ -107,7 +116,8 @@ class _Consumer(NamedTuple):
 
 def _online_softmax(s, m, scale_log2: float, masked: bool):
     """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
-    p = exp2(s * scale_log2 - m) is one FMA + MUFU op."""
+    p = exp2(s * scale_log2 - m) is one FMA + MUFU op. `masked`: s may hold -inf (a mask,
+    or a bias, on any tile)."""
     m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
     if masked:
         # A row with no visible key so far keeps m = -inf; subtract 0 instead
@@ -138,8 +148,8 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         kv_seg = c.kv_segments(slot, masked)
         s = c.scores(slot)
         plgpu.barrier_arrive(c.k_free.at[slot])
-        s = c.logits(s, j, masked, kv_seg)
-        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
+        s = c.logits(s, j, masked, kv_seg, c.bias(slot))
+        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.bias)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
         p16 = c.weights(p, j)
@@ -188,7 +198,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     kv_seg = c.kv_segments(first, True)
     s = c.scores(first)
     plgpu.barrier_arrive(c.k_free.at[first])
-    s = c.logits(s, tiles.lo, True, kv_seg)
+    s = c.logits(s, tiles.lo, True, kv_seg, c.bias(first))
     m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
     l = p.sum(axis=1)
     p16 = c.weights(p, tiles.lo)
@@ -214,8 +224,8 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             if masked:
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
                 plgpu.barrier_arrive(c.v_free.at[prev])
-            s = c.logits(s, j, masked, kv_seg)
-            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked)
+            s = c.logits(s, j, masked, kv_seg, c.bias(slot))
+            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.bias)
             l_new = l * alpha + p.sum(axis=1)
             p16_new = c.weights(p, j)
             if not masked:
@@ -256,7 +266,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
       optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
         [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids, the
-        dropout seed (exactly when t.dropout_rate > 0).
+        bias [Bb, Hb, Tqp, Tkp] (exactly when t.bias), the dropout seed (exactly when
+        t.dropout_rate > 0).
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -270,7 +281,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
 
-    def kernel(q_ref, k_ref, v_ref, opt: OptionalInputs, o_ref, lse_ref, scoped):
+    def kernel(q_ref, k_ref, v_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
 
@@ -281,7 +292,9 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped[:4]
         # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
         q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[4] if t.segments else (None,) * 4
-        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ())
+        # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
+        bias_smem, bias_ready = bias_scratch
+        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
         # The producer streams the key tiles either consumer needs.
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
@@ -306,7 +319,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             consumer = _Consumer(
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
-                q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads),
+                q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads), bias_smem, bias_ready, wg,
             )
 
             # The ring tiles this query tile does not read: release them in order, with
@@ -343,7 +356,12 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
                 segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
+                bias=(bias_rows, bias_smem, bias_ready) if t.bias else None,
             )
+
+        def bias_rows(j):
+            rows = pl.ds(pair * COMPUTE_WGS * block_q, COMPUTE_WGS * block_q)
+            return opt.bias_plane(b, h).at[rows, pl.ds(j * block_kv, block_kv)]
 
         common.warp_specialized(_consumer, _producer)
 
@@ -362,8 +380,9 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
-        pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, opt, o_ref, lse_ref, scoped),
+        common.with_bias_scratch(
+            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, opt, o_ref, lse_ref, bias, scoped),
+            t, COMPUTE_WGS * block_q, block_kv, stages, dtype,
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *common.segment_scratch(t, block_q, block_kv, stages),
             collective_axes="wg",
         )

@@ -230,8 +230,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     )
     dbias = None
     if extras.bias is not None:
-        dbias = triton_bwd.bias_grad(*padded, lse2, delta, x_dq, scorer=scorer, config=config.dq, interpret=params.interpret)
-        dbias = dbias[:, :, : extras.bias.shape[2], : extras.bias.shape[3]]
+        dbias = _bias_grad(padded, lse2, delta, x_dq, extras, scorer, config, params)
     delta = delta[:, :, :seq_q]
     dextras = Extras(
         bias=dbias,
@@ -239,6 +238,26 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         score_consts=score_consts_grad(q, k, v, do, lse, delta, extras, params),
     )
     return dq[:, :seq_q, :, :head_dim], dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :v_head_dim], dextras
+
+
+def _bias_grad(padded, lse2, delta, x_dq: Extras, extras: Extras, scorer: Scorer, config: TritonConfig,
+               params: AttentionParams):
+    dbias = triton_bwd.bias_grad(*padded, lse2, delta, x_dq, scorer=scorer, config=config.dq, interpret=params.interpret)
+    return dbias[:, :, : extras.bias.shape[2], : extras.bias.shape[3]]
+
+
+def bias_gradient(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: TritonConfig | None = None):
+    """dBias (float32, in the bias's broadcast shape) by the dbias kernel alone, for a backend
+    whose own backward kernels give dq, dk and dv: the Hopper kernels. The arguments are the
+    backward's (o and lse from the forward, do and dlse their cotangents)."""
+    if config is None:
+        config = TritonConfig.default(max(q.shape[3], v.shape[3]), q.dtype)
+    layout = _layout(q, k, v, extras, params, config)
+    config = layout.config
+    lse2, delta = common.backward_rows(o, do, lse, dlse, layout.q_len)
+    padded = (_pad_q(q, layout), _pad_k(k, layout), _pad_v(v, layout), _pad_o(do, layout))
+    x_dq = _tile_inputs(extras, q, k, layout, config.dq.block_q, config.dq.block_k, by_key_block=False)
+    return _bias_grad(padded, lse2, delta, x_dq, extras, _scorer(params, q.shape[1], k.shape[1]), config, params)
 
 
 def sinks_grad(sinks, lse, delta):
