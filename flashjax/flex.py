@@ -48,9 +48,9 @@ SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # The block-mask builder evaluates mask_mod on about this many (query, key) pairs per step.
 _STEP_PAIRS = 1 << 21
-# Whether `classify` builds block masks with the Triton kernel on a GPU. Off until its GPU
-# tests (tests/test_flex.py::test_block_mask_kernel_is_exact, and the block masks of the
-# other flex tests) have passed on one; it is tested in interpret mode and lowered for sm90.
+# Whether `classify` builds block masks with the Triton kernel on a GPU. Its exactness tests
+# pass on an H100 (tests/test_flex.py -k block_mask with this set); off until its build time
+# is measured there against the XLA builder (benchmarks/flex.py's block-mask rows).
 KERNEL_BUILDER = False
 
 
@@ -469,8 +469,12 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
 
 
 def tile_class(meets, full):
-    """The `BlockMask.blocks` code of tiles that meet the mask somewhere / everywhere."""
-    return jnp.where(meets, jnp.where(full, FULL, PARTIAL), EMPTY)
+    """The `BlockMask.blocks` code (int32) of tiles that meet the mask somewhere / everywhere.
+
+    Arithmetic on 0/1 rather than nested selects: the Pallas Triton lowering mistypes a
+    select between scalars (its result comes out boolean) in the block-mask kernel."""
+    meets, full = jnp.asarray(meets).astype(jnp.int32), jnp.asarray(full).astype(jnp.int32)
+    return EMPTY + meets * ((PARTIAL - EMPTY) + (FULL - PARTIAL) * full)
 
 
 def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):
