@@ -94,7 +94,6 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
         seg = jnp.tile(jnp.repeat(jnp.arange(docs, dtype=jnp.int32), seq // docs)[None, :], (batch, 1))
         return seg, seg[:, None, :, None] == seg[:, None, None, :]
 
-    bias = jax.random.normal(jax.random.PRNGKey(3), (1, heads, bias_t, bias_t), jnp.bfloat16)
     causal = dict(causal=True)
     out = []
     # 16k tokens per batch at T/2 and T (smoke: the CPU-sized T only).
@@ -114,12 +113,20 @@ def cases(quick: bool, smoke: bool = False) -> list[Case]:
             # The last rows are padding (output 0): the check takes the last valid ones.
             Case("padding 50%", seq, batch, dict(q_lengths=half, kv_lengths=half),
                  dict(query_seq_lengths=half, key_value_seq_lengths=half), 0.25, check_end=seq // 2),
+            # The documents as a boolean mask [B, 1, T, T] for flashjax too: no tiles skipped.
+            Case(f"mask (documents x{docs}) causal", seq, batch, dict(mask=doc_mask, causal=True),
+                 dict(mask=doc_mask, is_causal=True), 0.5 / docs, tokamax=dict(mask=doc_mask, is_causal=True),
+                 baseline="full causal"),
         ]
     # The packed row's documents as separate rows: the cost the packed causal row should approach.
     out.append(Case(f"{docs} rows causal", t // docs, docs, causal, dict(is_causal=True), 0.5,
                     fa3=dict(is_causal=True), tokamax=dict(is_causal=True), baseline="none"))
-    out += [Case("full", bias_t, 4, {}, {}, 1.0, fa3={}, tokamax={}),
-            Case("bias [1,H,T,T]", bias_t, 4, dict(bias=bias), dict(bias=bias), 1.0, tokamax=dict(bias=bias))]
+    out += [Case("full", bias_t, 4, {}, {}, 1.0, fa3={}, tokamax={})]
+    # 16k tokens per batch (the bias alone is 8 GiB at T = 16k).
+    for seq in (bias_t,) if smoke else (bias_t, 2 * bias_t, 4 * bias_t):
+        bias = jax.random.normal(jax.random.PRNGKey(3), (1, heads, seq, seq), jnp.bfloat16)
+        out.append(Case("bias [1,H,T,T]", seq, 4 * bias_t // seq, dict(bias=bias), dict(bias=bias), 1.0,
+                        tokamax=dict(bias=bias)))
     seqs = (256, 512) if smoke else (4096, 8192, 16384) if quick else (4096, 8192, 16384, 32768, 65536)
     for left, lengths in ((window, seqs), (long_window, seqs[-1:] if smoke else seqs[2:])):
         for seq in lengths:
@@ -303,7 +310,7 @@ def main(argv=None):
     for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
         row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
-                   useful_fraction=case.visible, baseline=case.baseline)
+                   useful_fraction=case.visible, baseline=case.baseline, date=datetime.date.today().isoformat())
         for impl in impls:
             for mode in MODES:
                 result = measure(case, impl, mode, inputs, checker, args.reps)
