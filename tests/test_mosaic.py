@@ -451,6 +451,52 @@ def test_bias_and_mask(make_inputs, key, shape, causal, bias_shape, mask_shape, 
     assert_empty_rows_are_zero(got, want)
 
 
+def test_kernel_bias_folds_the_mask_and_pads():
+    """The Hopper kernels' one bias input (on every machine): the mask folded in as -inf, the
+    bias in the inputs' dtype, zero-padded to whole tiles, transposed for the dK/dV kernel."""
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.params import Extras
+
+    key = jax.random.PRNGKey(0)
+    bias = jax.random.normal(key, (1, 2, 5, 7), jnp.float32)
+    mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.6, (1, 2, 5, 7))
+    for extras, want in [
+        (Extras(bias=bias), bias),
+        (Extras(mask=mask), jnp.where(mask, 0.0, -jnp.inf)),
+        (Extras(bias=bias, mask=mask), jnp.where(mask, bias, -jnp.inf)),
+    ]:
+        got = mosaic_backend._kernel_bias(extras, BF16, 8, 9)
+        assert got.shape == (1, 2, 8, 9) and got.dtype == BF16
+        np.testing.assert_array_equal(np.asarray(got[..., :5, :7], np.float32), np.asarray(want.astype(BF16), np.float32))
+        assert not np.any(np.asarray(got[..., 5:, :], np.float32)) and not np.any(np.asarray(got[..., 7:], np.float32))
+        transposed = mosaic_backend._kernel_bias(extras, BF16, 8, 9, transposed=True)
+        np.testing.assert_array_equal(np.asarray(transposed), np.asarray(jnp.swapaxes(got, 2, 3)))
+    assert mosaic_backend._kernel_bias(Extras(), BF16, 8, 9) is None
+
+
+def test_bias_gradient_alone(make_inputs, key):
+    """The Hopper backward's dbias: the Triton dbias kernel alone (`triton_backend.bias_gradient`,
+    interpret mode on the CPU) from the reference's o and lse, against the reference's dbias,
+    reduced over the bias's broadcast batch dim, with a mask and rows without keys."""
+    from flashjax import reference
+    from flashjax.kernels.triton import backend as triton_backend
+    from flashjax.params import AttentionParams, Extras
+
+    x = make_inputs(2, 40, 70, 4, 2, 16, dtype=jnp.float32)
+    bias = jax.random.normal(key, (1, 4, 40, 70), jnp.float32)
+    mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.8, (2, 1, 40, 70)).at[:, :, 3].set(False)
+    options = dict(causal=True, scale=0.25)
+    (o, lse), pullback = jax.vjp(lambda b: reference.attention(x.q, x.k, x.v, bias=b, mask=mask, return_lse=True,
+                                                               **options), bias)
+    dlse = jnp.where(lse == -jnp.inf, 0.0, x.dlse)
+    (want,) = pullback((x.do, dlse))
+    params = AttentionParams(scale=0.25, causal=True, backend="mosaic", backward_backend="mosaic",
+                             interpret=jax.default_backend() != "gpu")
+    got = triton_backend.bias_gradient(x.q, x.k, x.v, o, lse, x.do, dlse, Extras(bias=bias, mask=mask), params)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
+
+
 def test_float32_is_refused():
     with pytest.raises(NotImplementedError, match="float32"):
         flashjax.flash_attention(*_arrays(jnp.float32), backend="mosaic")
