@@ -393,9 +393,8 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
 def with_bias_scratch(kernel, t: Tiling, rows: int, cols: int, stages: int, dtype, *scratch, **kwargs):
     """`pl.run_scoped(lambda *scoped: kernel(bias, scoped), *scratch, **kwargs)`, where with a
     bias `bias` is (a ring of `stages` bias tiles of [rows, cols] (both consumers' rows),
-    its ready barriers) and without one (None, None). The ring is allocated first: after
-    the small buffers its 1024-byte alignment would cost shared memory the forward at head
-    dim 128 does not have."""
+    its ready barriers) and without one (None, None): `scoped` holds the kernel's other
+    scratch, in its order, with a bias or without."""
     if not t.bias:
         return pl.run_scoped(lambda *scoped: kernel((None, None), scoped), *scratch, **kwargs)
     ring = plgpu.SMEM((stages, rows, cols), dtype, transforms=smem_tiles())
