@@ -20,6 +20,8 @@ installed "unavailable"):
 * ``flashjax``: `flashjax.decode_attention` (auto: the Triton split-KV kernel); with
   ``--flashjax-configs`` also ``flashjax[block_k=64,...]``, the kernel with a `flashjax.DecodeConfig`
   (to tune its tiling);
+* ``flashjax_mosaic``: `flashjax.decode_attention(backend="mosaic")`, the Hopper forward
+  kernel on the contiguous cache split into batch rows (q_len 1, bf16; sm90 only);
 * ``xla``: ``jax.nn.dot_product_attention(implementation="xla", key_value_seq_lengths=)`` on
   the contiguous cache; `decode_attention(backend="xla")` (pages gathered, float8
   dequantised, in float32) on the others, left unrun ("oom") past ~40 GB;
@@ -78,7 +80,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 8, 64)
 CONTEXTS = (4096, 32768, 131072)
 CACHES = ("contiguous", "paged", "fp8")
-IMPLS = ("flashjax", "xla", "cudnn", "pallas_gqa", "fa3")
+IMPLS = ("flashjax", "flashjax_mosaic", "xla", "cudnn", "pallas_gqa", "fa3")
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
 SMOKE = dict(batches=(2,), contexts=(256,), heads=4, kv_heads=2, head_dim=32, page_size=16)
 # HBM bandwidth (bytes/s) by a word of the device name.
@@ -211,6 +213,19 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int = 1):
 
     if cell.impl == "flashjax":
         return decode
+    if cell.impl == "flashjax_mosaic":
+        import jax.numpy as jnp
+
+        platform, capability = flashjax.backends.describe_device()
+        call = flashjax.params.DecodeCall(
+            batch=cell.batch, q_len=cell.q_len, heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
+            dtype=jnp.dtype(jnp.bfloat16), cache_dtype=jnp.dtype(jnp.float8_e4m3fn if cell.cache == "fp8" else jnp.bfloat16),
+            capacity=cell.context, page_size=None if contiguous else cell.page_size, platform=platform,
+            compute_capability=capability)
+        reasons = flashjax.backends.get("mosaic").decode.supports(call)
+        if reasons:
+            raise Unsupported("; ".join(reasons))
+        return lambda p: decode(p, backend="mosaic")
     if cell.impl.startswith("flashjax["):  # flashjax[field=value,...]: a DecodeConfig of the Triton kernel
         config = config_overrides(flashjax.DecodeConfig(), cell.impl[len("flashjax["):-1])
         return lambda p: decode(p, config=config)

@@ -16,9 +16,9 @@ its name in the platform orders.
 Decoding (`flashjax.decode_attention`) goes through the same registry and the same
 platform orders: a backend with a decode path sets `Backend.decode` to a `Decoder`
 (what it cannot decode, and its run function); `choose_decode` takes the first
-backend of the order whose decoder supports the call. A backend without one
-(``decode=None``, the Hopper kernels today) is passed by with that reason, so the
-choice for `flash_attention` is untouched.
+backend of the order whose decoder supports the call (and does not decline it). A
+backend without one (``decode=None``) is passed by with that reason, so the choice for
+`flash_attention` is untouched.
 """
 
 from __future__ import annotations

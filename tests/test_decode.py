@@ -263,11 +263,12 @@ def _call(**overrides) -> DecodeCall:
 
 
 def test_choice():
-    """auto takes the Triton kernel where it can (the Hopper backend has no decode path yet),
-    else the reference; a named backend that cannot raises with its reasons."""
+    """auto takes the Triton kernel where it can (it passes the Hopper decode path by until
+    that has run on a GPU), else the reference; a named backend that cannot raises with its
+    reasons."""
     choice = backends.choose_decode(_call(platform="gpu", compute_capability="9.0"))
-    assert choice.backend == "triton" and choice.passed == (("mosaic", ("no decode path",)),)
-    assert str(choice) == "forward: triton\n  not mosaic: no decode path"
+    ((passed, reasons),) = choice.passed
+    assert choice.backend == "triton" and passed == "mosaic" and "not yet run on a GPU" in reasons[0]
     assert backends.choose_decode(_call()).backend == "triton"
     for unsupported in (dict(head_dim=96), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
         assert backends.choose_decode(_call(**unsupported)).backend == "xla", unsupported
@@ -279,8 +280,62 @@ def test_choice():
     big = _call(batch=64, heads=32, capacity=1 << 17)
     assert backends.choose_decode(big).backend == "xla"
     assert backends.choose_decode(big, "triton").backend == "triton"
-    with pytest.raises(NotImplementedError, match="no decode path"):
+    with pytest.raises(NotImplementedError, match="sm90"):
         backends.choose_decode(_call(), "mosaic")
+    assert backends.choose_decode(_call(platform="gpu", compute_capability="9.0"), "mosaic").backend == "mosaic"
+
+
+HOPPER_DECODE_REFUSALS = [
+    (dict(page_size=16), "a paged cache"), (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
+    (dict(window=(64, None)), "a window"), (dict(q_len=4, causal=True), "causal with q_len 4"),
+    (dict(capacity=1000), "no multiple of 128"), (dict(head_dim=96), "head_dim 96"),
+    (dict(dtype=jnp.dtype(F32), cache_dtype=jnp.dtype(F32)), "float32 queries"),
+]
+
+
+@pytest.mark.parametrize("overrides,reason", HOPPER_DECODE_REFUSALS)
+def test_hopper_decode_refusals(overrides, reason):
+    """What the Hopper decode path (the forward kernel on a split contiguous cache) cannot take."""
+    from flashjax.kernels.mosaic import decode as mosaic_decode
+
+    call = _call(platform="gpu", compute_capability="9.0", **overrides)
+    assert any(reason in r for r in mosaic_decode.supports(call)), mosaic_decode.supports(call)
+    assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", q_len=4, causal=False)) == []
+
+
+# (batch, q_len, heads, kv_heads, capacity, causal, softcap, lengths, num_splits)
+HOPPER_DECODE = [
+    pytest.param(4, 1, 8, 2, 512, True, None, [0, 1, 300, 512], None, id="gqa4-q1-cpu-splits"),
+    pytest.param(2, 1, 4, 1, 512, True, 30.0, [129, 384], 4, id="mqa-q1-softcap-4-splits"),
+    pytest.param(2, 3, 4, 2, 256, False, None, [2, 255], 2, id="gqa2-q3-full"),
+    pytest.param(1, 1, 2, 2, 384, True, None, [383], 3, id="mha-q1-3-splits"),
+]
+
+
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,capacity,causal,softcap,lengths,num_splits", HOPPER_DECODE)
+def test_hopper_decode_splits_and_merges(rng, batch, q_len, heads, kv_heads, capacity, causal, softcap, lengths,
+                                         num_splits):
+    """The Hopper decode path's own work, on every machine: the cache split into batch rows in
+    place, the group's query heads as rows, the kv lengths per split, the merge. The forward it
+    runs on the splits is the reference here (tests/test_mosaic.py runs the kernel with lengths
+    on a GPU); against the oracle, with empty splits and sequences of length 0."""
+    from flashjax.kernels.mosaic import decode as mosaic_decode
+    from flashjax.params import DecodeParams, KVCache
+
+    def reference_forward(q, k, v, extras, params, config):
+        up = lambda x: x.astype(F32)
+        return reference.attention(up(q), up(k), up(v), kv_lengths=extras.kv_lengths, scale=params.scale,
+                                   softcap=params.softcap, causal=params.causal, return_lse=True)
+
+    cache = make_cache(rng, batch, capacity, kv_heads, BF16)
+    q = draw_q(rng, batch, q_len, heads, BF16)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    params = DecodeParams(scale=D**-0.5, causal=causal, softcap=softcap, num_splits=num_splits, backend="mosaic")
+    got_o, got_lse = mosaic_decode.decode(q, KVCache(cache.k, cache.v, lengths), params, forward=reference_forward)
+    want_o, want_lse = oracle(q, cache, lengths, causal=causal, softcap=softcap)
+    assert got_o.dtype == q.dtype and got_o.shape == q.shape
+    check_close(got_o, want_o, BF16, "o")
+    check_lse(got_lse, want_lse, BF16)
 
 
 def test_num_splits_heuristic():

@@ -246,19 +246,20 @@ def typed_tensors(text: str) -> list[tuple[tuple[int, ...], str]]:
     return found
 
 
-def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window):
-    """(StableHLO text of a decode call lowered for CUDA, the cache's shape, its capacity)."""
+def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window, capacity: int = 4000, causal=True):
+    """(StableHLO text of a decode call lowered for CUDA, the cache's shape, its capacity);
+    `capacity`: a contiguous cache's max_len."""
     batch, heads, kv_heads, head_dim = 2, 32, 8, 128
     S = jax.ShapeDtypeStruct
     if page_size is None:
-        capacity, table = 4000, None
+        table = None
         cache_shape = (batch, capacity, kv_heads, head_dim)
     else:
         capacity, table = 37 * page_size, S((batch, 37), jnp.int32)
         cache_shape = (100, page_size, kv_heads, head_dim)
     scale = None if scales is None else S((100, kv_heads) if scales == "page" else (kv_heads,), jnp.float32)
     cache = KVCache(S(cache_shape, cache_dtype), S(cache_shape, cache_dtype), S((batch,), jnp.int32), table, scale, scale)
-    params = DecodeParams(scale=head_dim**-0.5, causal=True, window=window, sm_count=132, interpret=False)
+    params = DecodeParams(scale=head_dim**-0.5, causal=causal, window=window, sm_count=132, interpret=False)
     decode = backends.get(backend).decode.run
     text = jax.jit(lambda q, cache: decode(q, cache, params)).trace(
         S((batch, q_len, heads, head_dim), jnp.bfloat16), cache).lower(lowering_platforms=("cuda",)).as_text()
@@ -284,6 +285,20 @@ def test_decode_kernel_lowers_to_triton_for_sm90(fake_h100, page_size, cache_dty
     assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
     cache_element = {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8E4M3FN"}[cache_dtype]
     assert not cache_copies(text, cache_shape, capacity, cache_element)
+
+
+@pytest.mark.parametrize("q_len,causal", [(1, True), (5, False)])
+def test_mosaic_decode_lowers_for_sm90(q_len, causal):
+    """The Hopper decode path (the forward kernel on the cache split into batch rows) lowers
+    for sm_90 and reads the cache in place: one Mosaic GPU kernel, no copy of the cache (no
+    converted or gathered copy, and nothing of the cache's heads larger than it: no pad)."""
+    text, cache_shape, capacity = lower_decode("mosaic", None, jnp.bfloat16, None, q_len, None, capacity=4096,
+                                               causal=causal)
+    assert text.count(MOSAIC_CALL) == 1 and "flashjax_mosaic_fwd" in text
+    assert not cache_copies(text, cache_shape, capacity, "bf16")
+    padded = [shape for shape, _ in typed_tensors(text)
+              if shape[-2:] == cache_shape[-2:] and math.prod(shape) > math.prod(cache_shape)]
+    assert not padded, padded
 
 
 def test_cache_copy_check_finds_xla_copies():

@@ -451,6 +451,36 @@ def test_bias_and_mask(make_inputs, key, shape, causal, bias_shape, mask_shape, 
     assert_empty_rows_are_zero(got, want)
 
 
+DECODE_CASES = [
+    # (batch, q_len, heads, kv_heads, head_dim, capacity, causal, lengths)
+    pytest.param(8, 1, 32, 8, 128, 4096, True, [0, 1, 127, 128, 129, 2000, 4095, 4096], id="b8-q1-gqa4-d128"),
+    pytest.param(2, 4, 8, 1, 64, 1024, False, [3, 1000], id="b2-q4-mqa-d64-full"),
+    pytest.param(1, 1, 8, 8, 256, 2048, True, [1500], id="b1-q1-mha-d256"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim,capacity,causal,lengths", DECODE_CASES)
+def test_decode(key, batch, q_len, heads, kv_heads, head_dim, capacity, causal, lengths, dtype, assert_close,
+                assert_lse_close):
+    """decode_attention(backend="mosaic"): the forward kernel on the split cache, against the
+    reference on each sequence's valid keys (a q_len-1 query sees all of them; the q_len-4
+    case has no causal mask), including lengths 0 and 1 and a full cache."""
+    from flashjax import reference
+
+    keys = jax.random.split(key, 3)
+    q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(keys[i], (batch, capacity, kv_heads, head_dim), jnp.float32).astype(dtype) for i in (1, 2))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    got_o, got_lse = flashjax.decode_attention(q, k, v, lengths, causal=causal, backend="mosaic", return_lse=True)
+    up = lambda x: x.astype(jnp.float32)
+    want_o, want_lse = reference.attention(up(q), up(k), up(v), kv_lengths=lengths, return_lse=True)
+    assert got_o.dtype == dtype and got_o.shape == q.shape
+    assert_close(got_o, want_o, dtype, "o")
+    assert_lse_close(got_lse, want_lse, dtype)
+
+
 def test_kernel_bias_folds_the_mask_and_pads():
     """The Hopper kernels' one bias input (on every machine): the mask folded in as -inf, the
     bias in the inputs' dtype, zero-padded to whole tiles, transposed for the dK/dV kernel."""

@@ -16,6 +16,7 @@ GPU. `supports` names everything else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -23,12 +24,11 @@ import jax.numpy as jnp
 from flashjax import backends, masks
 from flashjax.kernels import common
 from flashjax.kernels.triton import backend as triton_backend
-from flashjax.kernels.mosaic import bwd as mosaic_bwd, fwd as mosaic_fwd
+from flashjax.kernels.mosaic import bwd as mosaic_bwd, decode as mosaic_decode, fwd as mosaic_fwd
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
-from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, padded_head_dim
+from flashjax.kernels.mosaic.config import DTYPES, HEAD_DIMS, MosaicConfig, padded_head_dim
 from flashjax.params import AttentionParams, Call, Extras
 
-DTYPES = ("bfloat16", "float16")
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
 OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout", "bias", "mask")
@@ -247,7 +247,8 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
-    # No decode path yet: a Hopper split-KV kernel would plug in here as a backends.Decoder
-    # (decode_attention then tries it first on sm90, before the Triton one).
-    decode=None,
+    # Split-KV decoding on the forward kernel (kernels/mosaic/decode.py). `auto` passes it by
+    # until it has run on a GPU; backend="mosaic" runs it.
+    decode=backends.Decoder(supports=mosaic_decode.supports, run=functools.partial(mosaic_decode.decode, forward=forward),
+                            declines=lambda call: ["not yet run on a GPU (decode_attention(..., backend='mosaic') runs it)"]),
 )

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from flashjax import tuning
 
-__all__ = ["MosaicConfig", "HEAD_DIMS", "padded_head_dim"]
+__all__ = ["MosaicConfig", "DTYPES", "HEAD_DIMS", "padded_head_dim"]
 
 TUNED = Path(__file__).with_name("tuned.json")
+DTYPES = ("bfloat16", "float16")
 # wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
 HEAD_DIMS = (64, 128, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")

@@ -1,0 +1,102 @@
+"""The Hopper decode path: split-KV decoding on the Hopper forward kernel.
+
+No kernel of its own. A contiguous cache [B, L, Hkv, D] is read in place as
+[B * S, L / S, Hkv, D] (a free reshape): split s of sequence b becomes batch row
+b * S + s, its keys [s L/S, (s + 1) L/S), with kv length clip(len_b - s L/S, 0, L/S),
+so key tiles past a sequence's length are never loaded (`masks.dynamic_ranges`). The
+query heads of a kv head become its query rows ([B * S, q_len * group, Hkv, D]): each
+split reads each K/V byte once for the whole group, and the splits merge exactly through
+their lse (`kernels.common.merge`, as the Triton decode path and the ring do).
+
+Serves the decode step itself (q_len 1; or any q_len without a causal mask): a causal
+mask aligned to each sequence's own length, a window, a paged or float8 cache go to the
+Triton decode kernel. Forward only, like every decode path.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flashjax.kernels import common
+from flashjax.kernels.mosaic.config import DTYPES, HEAD_DIMS, MosaicConfig
+from flashjax.kernels.triton.decode import num_splits as triton_num_splits
+from flashjax.params import AttentionParams, DecodeCall, DecodeParams, Extras, KVCache
+
+__all__ = ["supports", "decode", "splits"]
+
+# The cache is split into whole key tiles of this many keys (the forward's key tile): a
+# split that is no multiple of it would make the forward pad, that is copy, the cache.
+SPLIT_MULTIPLE = 128
+
+
+def supports(call: DecodeCall) -> list[str]:
+    """Why the Hopper decode path cannot run `call` (empty when it can)."""
+    reasons = []
+    if call.platform != "gpu" or call.compute_capability != "9.0":
+        reasons.append("needs an sm90 (Hopper: H100/H200) GPU; Mosaic GPU kernels have no interpret mode")
+    if jnp.dtype(call.dtype).name not in DTYPES:
+        reasons.append(f"{jnp.dtype(call.dtype).name} queries (the kernels take bfloat16 or float16)")
+    if jnp.dtype(call.cache_dtype) != jnp.dtype(call.dtype):
+        reasons.append(f"a {jnp.dtype(call.cache_dtype).name} cache with {jnp.dtype(call.dtype).name} queries")
+    if call.page_size is not None:
+        reasons.append("a paged cache")
+    if call.head_dim not in HEAD_DIMS:
+        reasons.append(f"head_dim {call.head_dim} (the cache is read in place: {', '.join(map(str, HEAD_DIMS))})")
+    if call.page_size is None and call.capacity % SPLIT_MULTIPLE:
+        reasons.append(f"a cache of max_len {call.capacity}, no multiple of {SPLIT_MULTIPLE} (it is read in place "
+                       "in whole key tiles)")
+    if call.causal and call.q_len > 1:
+        reasons.append(f"causal with q_len {call.q_len} > 1 (rows aligned to each sequence's own length)")
+    if call.window is not None:
+        reasons.append("a window")
+    return reasons
+
+
+def splits(batch: int, kv_heads: int, rows: int, capacity: int, requested: int | None, sm_count: int) -> int:
+    """The number of splits: `requested` or the Triton path's choice for this grid, lowered to
+    the nearest count that cuts the cache into whole multiples of SPLIT_MULTIPLE keys."""
+    tiles = capacity // SPLIT_MULTIPLE
+    pairs = -(-rows // (2 * MosaicConfig.block_q))  # query-tile pairs per CTA row
+    if requested is None:
+        requested = triton_num_splits(programs=batch * kv_heads * pairs, key_tiles=tiles, sm_count=sm_count)
+    count = max(1, min(requested, tiles))
+    while tiles % count:
+        count -= 1
+    return count
+
+
+def decode(q, cache: KVCache, params: DecodeParams, *, forward):
+    """o [B, q_len, H, D] in q's dtype and the natural-log lse [B, H, q_len].
+
+    Args:
+      q: [B, q_len, H, D]; cache: a contiguous `KVCache` (k, v [B, L, Hkv, D], lengths [B]).
+      params: the decode call's static options.
+      forward: the attention forward run on the splits, ``forward(q, k, v, extras, params,
+        config) -> (o, lse)``: the Hopper backend's (bound in its `Decoder`); tests pass the
+        reference's.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    capacity, kv_heads = cache.k.shape[1], cache.k.shape[2]
+    assert cache.page_table is None and capacity % SPLIT_MULTIPLE == 0, "supports() declines these caches"
+    assert params.window is None and not (params.causal and q_len > 1), "supports() declines these options"
+    group = heads // kv_heads
+    rows = q_len * group
+    count = splits(batch, kv_heads, rows, capacity, params.num_splits, params.sm_count)
+    chunk = capacity // count
+    # Row (t, g) of kv head k is query t of head k * group + g.
+    q_rows = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 1, 3, 2, 4)
+    q_rows = jnp.repeat(q_rows.reshape(batch, rows, kv_heads, head_dim), count, axis=0)
+    split_k = cache.k.reshape(batch * count, chunk, kv_heads, head_dim)
+    split_v = cache.v.reshape(batch * count, chunk, kv_heads, head_dim)
+    starts = jnp.arange(count, dtype=jnp.int32) * chunk
+    lengths = jnp.clip(cache.lengths.astype(jnp.int32)[:, None] - starts[None, :], 0, chunk).reshape(batch * count)
+    attention = AttentionParams(scale=params.scale, softcap=params.softcap, backend="mosaic")
+    o, lse = forward(q_rows, split_k, split_v, Extras(kv_lengths=lengths), attention, MosaicConfig.default(head_dim))
+    # Back to [split, B, q_len, H, ...], the layout `merge` takes.
+    o = o.reshape(batch, count, q_len, group, kv_heads, head_dim).transpose(1, 0, 2, 4, 3, 5)
+    o = o.reshape(count, batch, q_len, heads, head_dim).astype(jnp.float32)
+    lse = lse.reshape(batch, count, kv_heads, q_len, group).transpose(1, 0, 2, 4, 3).reshape(count, batch, heads, q_len)
+    out, out_lse = o[0], lse[0]
+    for split in range(1, count):
+        out, out_lse = common.merge(out, out_lse, o[split], lse[split])
+    return out.astype(q.dtype), out_lse
