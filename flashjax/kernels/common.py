@@ -65,3 +65,12 @@ def merge(o_a, lse_a, o_b, lse_b):
     safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     weight = lambda part: jnp.transpose(jnp.exp(part - safe), (0, 2, 1))[..., None]
     return weight(lse_a) * o_a + weight(lse_b) * o_b, lse
+
+
+def merge_splits(o, lse):
+    """`merge` of S partial attentions over disjoint key sets: o float32 [S, B, T, H, D], lse
+    [S, B, H, T] -> ([B, T, H, D], [B, H, T])."""
+    out, out_lse = o[0], lse[0]
+    for split in range(1, o.shape[0]):
+        out, out_lse = merge(out, out_lse, o[split], lse[split])
+    return out, out_lse

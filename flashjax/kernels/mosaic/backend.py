@@ -26,7 +26,7 @@ from flashjax.kernels import common
 from flashjax.kernels.triton import backend as triton_backend
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, decode as mosaic_decode, fwd as mosaic_fwd
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
-from flashjax.kernels.mosaic.config import DTYPES, HEAD_DIMS, MosaicConfig, padded_head_dim
+from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, device_reasons, padded_head_dim
 from flashjax.params import AttentionParams, Call, Extras
 
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
@@ -39,11 +39,7 @@ MAX_BACKWARD_HEAD_DIM = 128
 
 
 def supports(call: Call) -> list[str]:
-    reasons = []
-    if call.platform != "gpu" or call.compute_capability != "9.0":
-        reasons.append("needs an sm90 (Hopper: H100/H200) GPU; Mosaic GPU kernels have no interpret mode")
-    if jnp.dtype(call.dtype).name not in DTYPES:
-        reasons.append(f"{jnp.dtype(call.dtype).name} inputs (use bfloat16 or float16)")
+    reasons = device_reasons(call.platform, call.compute_capability, call.dtype)
     if call.head_dim > HEAD_DIMS[-1]:
         reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
     if call.v_head_dim is not None:
@@ -172,12 +168,11 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
     dim = padded_head_dim(head_dim)
-    stages = config.stages
-    if (extras.bias is not None or extras.mask is not None) and dim == 128 and block_kv > 64:
+    t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
+    if t.bias and dim == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
         # head dim 128; 64-key tiles fit with a stage more.
-        block_kv, stages = 64, stages + 1
-    t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, stages)
+        t = dataclasses.replace(t, block_kv=64, stages=t.stages + 1)
     q_len = common.round_up(seq_q, COMPUTE_WGS * t.block_q)
     k_len = common.round_up(seq_k, t.block_kv)
     pad = common.pad_tokens

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from flashjax import tuning
 
-__all__ = ["MosaicConfig", "DTYPES", "HEAD_DIMS", "padded_head_dim"]
+__all__ = ["MosaicConfig", "DTYPES", "HEAD_DIMS", "padded_head_dim", "device_reasons"]
 
 TUNED = Path(__file__).with_name("tuned.json")
 DTYPES = ("bfloat16", "float16")
@@ -15,6 +17,16 @@ DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")
 BWD_DQ = ("recompute", "accumulate")
+
+
+def device_reasons(platform: str, compute_capability: str, dtype, what: str = "inputs") -> list[str]:
+    """Why no Hopper kernel runs here or on these `what` (the attention and decode paths alike)."""
+    reasons = []
+    if platform != "gpu" or compute_capability != "9.0":
+        reasons.append("needs an sm90 (Hopper: H100/H200) GPU; Mosaic GPU kernels have no interpret mode")
+    if jnp.dtype(dtype).name not in DTYPES:
+        reasons.append(f"{jnp.dtype(dtype).name} {what} (use bfloat16 or float16)")
+    return reasons
 
 
 def padded_head_dim(head_dim: int) -> int:

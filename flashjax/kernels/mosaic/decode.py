@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from flashjax.kernels import common
-from flashjax.kernels.mosaic.config import DTYPES, HEAD_DIMS, MosaicConfig
+from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, device_reasons
 from flashjax.kernels.triton.decode import num_splits as triton_num_splits
 from flashjax.params import AttentionParams, DecodeCall, DecodeParams, Extras, KVCache
 
@@ -31,11 +31,7 @@ SPLIT_MULTIPLE = 128
 
 def supports(call: DecodeCall) -> list[str]:
     """Why the Hopper decode path cannot run `call` (empty when it can)."""
-    reasons = []
-    if call.platform != "gpu" or call.compute_capability != "9.0":
-        reasons.append("needs an sm90 (Hopper: H100/H200) GPU; Mosaic GPU kernels have no interpret mode")
-    if jnp.dtype(call.dtype).name not in DTYPES:
-        reasons.append(f"{jnp.dtype(call.dtype).name} queries (the kernels take bfloat16 or float16)")
+    reasons = device_reasons(call.platform, call.compute_capability, call.dtype, "queries")
     if jnp.dtype(call.cache_dtype) != jnp.dtype(call.dtype):
         reasons.append(f"a {jnp.dtype(call.cache_dtype).name} cache with {jnp.dtype(call.dtype).name} queries")
     if call.page_size is not None:
@@ -52,11 +48,13 @@ def supports(call: DecodeCall) -> list[str]:
     return reasons
 
 
-def splits(batch: int, kv_heads: int, rows: int, capacity: int, requested: int | None, sm_count: int) -> int:
-    """The number of splits: `requested` or the Triton path's choice for this grid, lowered to
-    the nearest count that cuts the cache into whole multiples of SPLIT_MULTIPLE keys."""
+def splits(batch: int, kv_heads: int, rows: int, capacity: int, requested: int | None, sm_count: int,
+           block_q: int) -> int:
+    """The number of splits: `requested` or the Triton path's choice for this grid (`rows`
+    query rows in pairs of `block_q`-row tiles per CTA), lowered to the nearest count that cuts
+    the cache into whole multiples of SPLIT_MULTIPLE keys."""
     tiles = capacity // SPLIT_MULTIPLE
-    pairs = -(-rows // (2 * MosaicConfig.block_q))  # query-tile pairs per CTA row
+    pairs = -(-rows // (2 * block_q))
     if requested is None:
         requested = triton_num_splits(programs=batch * kv_heads * pairs, key_tiles=tiles, sm_count=sm_count)
     count = max(1, min(requested, tiles))
@@ -81,7 +79,8 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     assert params.window is None and not (params.causal and q_len > 1), "supports() declines these options"
     group = heads // kv_heads
     rows = q_len * group
-    count = splits(batch, kv_heads, rows, capacity, params.num_splits, params.sm_count)
+    config = MosaicConfig.default(head_dim)
+    count = splits(batch, kv_heads, rows, capacity, params.num_splits, params.sm_count, config.block_q)
     chunk = capacity // count
     # Row (t, g) of kv head k is query t of head k * group + g.
     q_rows = q.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 1, 3, 2, 4)
@@ -91,12 +90,10 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     starts = jnp.arange(count, dtype=jnp.int32) * chunk
     lengths = jnp.clip(cache.lengths.astype(jnp.int32)[:, None] - starts[None, :], 0, chunk).reshape(batch * count)
     attention = AttentionParams(scale=params.scale, softcap=params.softcap, backend="mosaic")
-    o, lse = forward(q_rows, split_k, split_v, Extras(kv_lengths=lengths), attention, MosaicConfig.default(head_dim))
+    o, lse = forward(q_rows, split_k, split_v, Extras(kv_lengths=lengths), attention, config)
     # Back to [split, B, q_len, H, ...], the layout `merge` takes.
     o = o.reshape(batch, count, q_len, group, kv_heads, head_dim).transpose(1, 0, 2, 4, 3, 5)
     o = o.reshape(count, batch, q_len, heads, head_dim).astype(jnp.float32)
     lse = lse.reshape(batch, count, kv_heads, q_len, group).transpose(1, 0, 2, 4, 3).reshape(count, batch, heads, q_len)
-    out, out_lse = o[0], lse[0]
-    for split in range(1, count):
-        out, out_lse = common.merge(out, out_lse, o[split], lse[split])
+    out, out_lse = common.merge_splits(o, lse)
     return out.astype(q.dtype), out_lse

@@ -358,7 +358,5 @@ def decode(q, cache: KVCache, params: DecodeParams):
     o = o.transpose(2, 0, 3, 1, 4, 5).reshape(t.num_splits, batch, q_len, heads, head_dim)
     lse = lse2[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group) * common.LN2
     lse = lse.transpose(2, 0, 1, 4, 3).reshape(t.num_splits, batch, heads, q_len)
-    out, out_lse = o[0], lse[0]
-    for split in range(1, t.num_splits):
-        out, out_lse = common.merge(out, out_lse, o[split], lse[split])
+    out, out_lse = common.merge_splits(o, lse)
     return out.astype(q.dtype), out_lse
