@@ -79,6 +79,20 @@ def test_triton_default_halves_float32_tiles(head_dim):
         assert got.block_q * got.block_k <= 64 * 64
 
 
+def test_fit_shared_memory_counts_streamed_query_tiles():
+    """A loop that streams Q and dO tiles too (the dbias kernel over a broadcast bias's axes):
+    the H100 default dQ tiling at head dim 128 (bf16 Q, dO, K, V and bias tiles) sheds stages,
+    then key rows, until every stage fits the budget; block_q never changes."""
+    from flashjax.kernels.triton.config import SHARED_MEMORY_BUDGET
+
+    base = TritonConfig.default(128, jnp.bfloat16, device_kind="").dq
+    per_key, per_query, pair = (128 + 128) * 2, (128 + 128) * 2, 2
+    assert base.fit_shared_memory(per_key, pair) == base  # K and V alone fit
+    fitted = base.fit_shared_memory(per_key, pair, streamed_bytes_per_query=per_query)
+    assert fitted != base and fitted.block_q == base.block_q
+    used = fitted.num_stages * (fitted.block_k * (per_key + fitted.block_q * pair) + fitted.block_q * per_query)
+    assert used <= SHARED_MEMORY_BUDGET
+
 
 def test_triton_default_refuses_large_head_dims():
     with pytest.raises(ValueError, match="head_dim"):

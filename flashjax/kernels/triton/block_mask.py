@@ -29,11 +29,14 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
     *const_refs, out_ref = refs
     bh, qi, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch, head = bh // n_heads, bh % n_heads
-    rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    # Rows [bq, 1] and columns [1, bk]: mask_mod's values of one side alone (a row's
+    # document id read from a closed-over array) are then loaded once per row or column
+    # (`flex.Mod.tile`), not gathered once per pair.
+    rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     row_valid = rows < q_len
 
     def one_tile(t, codes):
-        cols = (chunk * tiles + t) * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+        cols = (chunk * tiles + t) * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         valid = row_valid & (cols < kv_len)
         attend = mod.tile(const_refs, batch, head, rows, cols)
         # Reductions over int32: Triton has no boolean any/all.

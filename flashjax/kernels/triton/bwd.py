@@ -351,6 +351,15 @@ def bias_grad(q, k, v, do, lse2, delta, x_dq: Extras, *, scorer: Scorer, config:
     recomputes dS for every tile (boundary-masked), so it costs about a forward.
     """
     bias_batch, bias_heads, bias_q, bias_k = x_dq.bias.shape
+    loops = ((bias_batch == 1 and q.shape[0] > 1) or (bias_heads == 1 and q.shape[2] > 1)
+             or bias_q == 1 or bias_k == 1)
+    if loops:
+        # A program loops over the bias's broadcast axes, and Triton pipelines that loop:
+        # each stage holds Q and dO tiles as well as K, V and the bias/mask tiles.
+        itemsize = jnp.dtype(q.dtype).itemsize
+        pair_bytes = sum(jnp.dtype(a.dtype).itemsize for a in (x_dq.bias, x_dq.mask) if a is not None)
+        config = config.fit_shared_memory((k.shape[3] + v.shape[3]) * itemsize, pair_bytes,
+                                          streamed_bytes_per_query=(q.shape[3] + do.shape[3]) * itemsize)
     bq, bk = config.block_q, config.block_k
     group = q.shape[2] // k.shape[2]
     grid = (

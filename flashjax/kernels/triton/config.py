@@ -58,16 +58,21 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value}.")
         _check_launch(self)
 
-    def fit_shared_memory(self, streamed_bytes_per_key: int, pair_bytes: int) -> "KernelConfig":
+    def fit_shared_memory(self, streamed_bytes_per_key: int, pair_bytes: int,
+                          streamed_bytes_per_query: int = 0) -> "KernelConfig":
         """Fewer pipeline stages, then shorter key tiles, until the streamed tiles fit.
 
         Each stage holds a key tile of every streamed operand (`streamed_bytes_per_key`
-        bytes per key row, e.g. K and V) plus a [block_q, block_k] tile of each
-        broadcastable input (`pair_bytes` per element, e.g. 2 for a bf16 bias).
+        bytes per key row, e.g. K and V), a [block_q, block_k] tile of each
+        broadcastable input (`pair_bytes` per element, e.g. 2 for a bf16 bias) and, for a
+        loop that also streams query tiles (the dbias kernel's), a query tile of each
+        (`streamed_bytes_per_query` bytes per query row, e.g. Q and dO). block_q stays:
+        the per-query-tile inputs (lengths' ranges) are laid out by it.
         """
         config = self
         while True:
-            per_stage = config.block_k * (streamed_bytes_per_key + config.block_q * pair_bytes)
+            per_stage = (config.block_k * (streamed_bytes_per_key + config.block_q * pair_bytes)
+                         + config.block_q * streamed_bytes_per_query)
             if per_stage * config.num_stages <= SHARED_MEMORY_BUDGET:
                 return config
             if config.num_stages > 2:
