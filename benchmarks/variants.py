@@ -82,8 +82,18 @@ class Case:
 
 def cases(quick: bool, smoke: bool = False, only: str | None = None) -> list[Case]:
     """The rows; `smoke`: CPU-sized (H=2, D=32, T <= 512); `only`: comma-separated substrings,
-    the rows whose name holds one (their arrays alone are made: the 16k bias is 8 GiB)."""
-    wanted = lambda name: only is None or any(part in name for part in only.split(","))
+    the rows whose name holds one, each optionally with "@T" for that sequence length alone
+    (their arrays alone are made: the 16k bias is 8 GiB)."""
+
+    def wanted(name: str, seq: int) -> bool:
+        if only is None:
+            return True
+        for part in only.split(","):
+            text, _, length = part.partition("@")
+            if text in name and (not length or int(length) == seq):
+                return True
+        return False
+
     import jax
     import jax.numpy as jnp
 
@@ -126,8 +136,8 @@ def cases(quick: bool, smoke: bool = False, only: str | None = None) -> list[Cas
     out += [Case("full", bias_t, 4, {}, {}, 1.0, fa3={}, tokamax={})]
     # 16k tokens per batch (the bias alone is 8 GiB at T = 16k).
     for seq in (bias_t,) if smoke else (bias_t, 2 * bias_t, 4 * bias_t):
-        if not wanted("bias [1,H,T,T]"):
-            break
+        if not wanted("bias [1,H,T,T]", seq):
+            continue
         bias = jax.random.normal(jax.random.PRNGKey(3), (1, heads, seq, seq), jnp.bfloat16)
         out.append(Case("bias [1,H,T,T]", seq, 4 * bias_t // seq, dict(bias=bias), dict(bias=bias), 1.0,
                         tokamax=dict(bias=bias)))
@@ -151,7 +161,7 @@ def cases(quick: bool, smoke: bool = False, only: str | None = None) -> list[Cas
                         baseline="full causal"))
         out.append(Case("alibi causal", seq, batch, dict(alibi_slopes=slopes, causal=True), None, 0.5,
                         baseline="full causal"))
-    return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out if wanted(c.name)]
+    return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out if wanted(c.name, c.seq)]
 
 
 def cell(case: Case, mode: str, impl: str) -> benchmark.Cell:
@@ -284,7 +294,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="windows up to T = 16k only")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (>= 10 for the protocol)")
     parser.add_argument("--smoke", action="store_true", help="CPU-sized: H=2, D=32, T <= 512, 2 reps")
-    parser.add_argument("--only", default=None, help="comma-separated substrings: the variants whose name holds one")
+    parser.add_argument("--only", default=None, help="comma-separated substrings: the variants whose name holds one; "
+                        "'NAME@T' for one sequence length (e.g. 'bias@8192,mask (doc@16384')")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of the existing results file that this run does not measure")
