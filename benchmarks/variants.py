@@ -44,6 +44,7 @@ import importlib
 import json
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -170,8 +171,9 @@ def cell(case: Case, mode: str, impl: str) -> benchmark.Cell:
 
 
 def implementation(case: Case, impl: str, q, k, v):
-    """fn(q, k, v) of the implementation with the case's options; raises NotImplementedError
-    (with the reasons) when it does not support the variant."""
+    """(fn(q, k, v, arrays), arrays): the implementation with the case's options, its array
+    options (bias, mask, ids, lengths) apart so that they are arguments of the compiled
+    program; raises NotImplementedError (with the reasons) when it does not support the variant."""
     import jax
 
     import flashjax
@@ -181,17 +183,21 @@ def implementation(case: Case, impl: str, q, k, v):
         if options is None:
             raise NotImplementedError(f"{impl} has no such option")
         if impl == "cudnn":
-            return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **options)
-        try:
-            peer = importlib.import_module("flash_attn3_jax" if impl == "fa3" else "tokamax")
-        except ImportError as e:
-            raise NotImplementedError(f"{impl} is not installed ({e})") from None
-        if impl == "fa3":
-            return lambda q, k, v: peer.flash_mha(q, k, v, **options)
-        return lambda q, k, v: peer.dot_product_attention(q, k, v, **options)
-    backend = BACKENDS[impl]
-    flashjax.explain(q, k, v, backend=backend, **case.options)  # NotImplementedError: the backend's reasons
-    return lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, **case.options)
+            call = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+        else:
+            try:
+                peer = importlib.import_module("flash_attn3_jax" if impl == "fa3" else "tokamax")
+            except ImportError as e:
+                raise NotImplementedError(f"{impl} is not installed ({e})") from None
+            call = peer.flash_mha if impl == "fa3" else peer.dot_product_attention
+    else:
+        options = case.options
+        backend = BACKENDS[impl]
+        flashjax.explain(q, k, v, backend=backend, **options)  # NotImplementedError: the backend's reasons
+        call = lambda q, k, v, **kw: flashjax.flash_attention(q, k, v, backend=backend, **kw)
+    arrays = {name: value for name, value in options.items() if isinstance(value, jax.Array)}
+    static = {name: value for name, value in options.items() if name not in arrays}
+    return (lambda q, k, v, arrays: call(q, k, v, **static, **arrays)), arrays
 
 
 # ---- the check: the reference on a slice of query rows ---------------------------------------
@@ -239,8 +245,17 @@ class VariantChecker:
             qs, dos = f32(q[:1, start:end, :CHECK_HEADS]), f32(do[:1, start:end, :CHECK_HEADS])
             ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
             options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()}
-            out, vjp = jax.vjp(lambda q_: reference.attention(q_, ks, vs, **options), qs)
-            self._cache = {key: np.asarray(out) if mode == "fwd" else np.asarray(vjp(dos)[0])}
+            arrays = {name: value for name, value in options.items() if isinstance(value, jax.Array)}
+            static = {name: value for name, value in options.items() if name not in arrays}
+
+            # One jit: evaluated op by op, every op of the reference compiles (and XLA
+            # autotunes its matmuls) at this row's shapes, minutes at T = 8k with a bias.
+            @jax.jit
+            def reference_rows(qs, ks, vs, dos, arrays):
+                out, vjp = jax.vjp(lambda q_: reference.attention(q_, ks, vs, **arrays, **static), qs)
+                return out if mode == "fwd" else vjp(dos)[0]
+
+            self._cache = {key: np.asarray(reference_rows(qs, ks, vs, dos, arrays))}
         return self._cache[key]
 
     def check(self, case: Case, mode: str, result, q, k, v, do) -> dict:
@@ -256,11 +271,11 @@ def measure(case: Case, impl: str, mode: str, args, checker: VariantChecker, rep
 
     c = cell(case, mode, impl)
     try:
-        fn = implementation(case, impl, *args[:3])
+        fn, arrays = implementation(case, impl, *args[:3])
     except NotImplementedError as e:
         return dict(status="unsupported", error=benchmark.short_error(e))
     try:
-        compiled, _ = benchmark.compile_cell(c, fn, args)
+        compiled, _ = benchmark.compile_cell(c, fn, args, operands=arrays)
         errors = checker.check(case, mode, compiled(*args), *args)
         if not all(err < benchmark.TOLERANCE for err in errors.values()):  # nan fails too
             return dict(status="mismatch", rel_err=errors, error=f"rel err {errors} >= {benchmark.TOLERANCE}")
@@ -316,23 +331,31 @@ def main(argv=None):
     print(header())
     selected = cases(args.quick, args.smoke, args.only)
     out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
-    kept = []
+    kept, date = [], datetime.date.today().isoformat()
     if args.merge and out.exists():
         measured = {(c.name, c.seq, c.batch) for c in selected}
-        kept = [r for r in json.loads(out.read_text())["rows"] if (r["variant"], r["seq"], r["batch"]) not in measured]
+        previous = json.loads(out.read_text())
+        kept = [r for r in previous["rows"] if (r["variant"], r["seq"], r["batch"]) not in measured]
+        # The file keeps its run's date; the rows measured now carry theirs.
+        date = previous.get("date", date) if kept else date
     for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
         row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
                    useful_fraction=case.visible, baseline=case.baseline, date=datetime.date.today().isoformat())
         for impl in impls:
             for mode in MODES:
+                started = time.perf_counter()
                 result = measure(case, impl, mode, inputs, checker, args.reps)
+                # Progress on stderr: a run cut short still shows where its time went.
+                print(f"  {case.name} T={case.seq} {impl} {mode}: {result['status']} "
+                      f"{result.get('ms', float('nan')):.3f} ms ({time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr, flush=True)
                 row.update({f"{impl}_{mode}_{name}": value for name, value in result.items()})
         rows.append(row)
         print(_line(row), flush=True)
         # Written after every row: a run cut short keeps what it measured.
         result = dict(device=device, jax=jax.__version__, flashjax=flashjax.__version__, host=platform.node(),
-                      date=datetime.date.today().isoformat(), rows=kept + rows,
+                      date=date, rows=kept + rows,
                       protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS,
                                     check_heads=CHECK_HEADS, tolerance=benchmark.TOLERANCE,
                                     flops="dense 4*B*H*T*T*D, x3.5 fwd+bwd"))

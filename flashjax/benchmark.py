@@ -176,18 +176,30 @@ def timed_fn(cell: Cell, fn):
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def compile_cell(cell: Cell, fn, args):
-    """(compiled, temp_bytes): `timed_fn` compiled once, for the memory analysis and the timing."""
+def compile_cell(cell: Cell, fn, args, operands=None):
+    """(compiled, temp_bytes): `timed_fn` compiled once, for the memory analysis and the timing.
+
+    `operands`: None, or a pytree of arrays that `fn` takes as a fourth argument,
+    ``fn(q, k, v, operands)`` (a bias, a mask): they become arguments of the compiled program
+    rather than constants embedded in it (a 2 GiB constant takes minutes to compile). The
+    returned callable takes `args` alone either way."""
+    import functools
+
     import jax
 
-    compiled = jax.jit(timed_fn(cell, fn)).lower(*args).compile()
+    if operands is None:
+        compiled = call = jax.jit(timed_fn(cell, fn)).lower(*args).compile()
+    else:
+        program = jax.jit(lambda ops, *a: timed_fn(cell, lambda q, k, v: fn(q, k, v, ops))(*a))
+        compiled = program.lower(operands, *args).compile()
+        call = functools.partial(compiled, operands)
     temp = None
     try:
         analysis = compiled.memory_analysis()
         temp = int(analysis.temp_size_in_bytes) if analysis is not None else None
     except Exception:  # some backends have no memory analysis: the cell still times
         pass
-    return compiled, temp
+    return call, temp
 
 
 class Checker:

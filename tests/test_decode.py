@@ -263,12 +263,14 @@ def _call(**overrides) -> DecodeCall:
 
 
 def test_choice():
-    """auto takes the Triton kernel where it can (it passes the Hopper decode path by until
-    that has run on a GPU), else the reference; a named backend that cannot raises with its
-    reasons."""
-    choice = backends.choose_decode(_call(platform="gpu", compute_capability="9.0"))
+    """auto takes the Hopper decode path for caches of 4 GiB and more on an H100 (where it
+    measured faster), the Triton kernel where it can, else the reference; a named backend that
+    cannot raises with its reasons."""
+    hopper = dict(platform="gpu", compute_capability="9.0", kv_heads=8, head_dim=128)
+    choice = backends.choose_decode(_call(**hopper, batch=8, capacity=1 << 16))  # 2 GiB
     ((passed, reasons),) = choice.passed
-    assert choice.backend == "triton" and passed == "mosaic" and "not yet run on a GPU" in reasons[0]
+    assert choice.backend == "triton" and passed == "mosaic" and "2.00 GiB K/V cache" in reasons[0]
+    assert backends.choose_decode(_call(**hopper, batch=8, capacity=1 << 17)).backend == "mosaic"  # 4 GiB
     assert backends.choose_decode(_call()).backend == "triton"
     for unsupported in (dict(head_dim=96), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
         assert backends.choose_decode(_call(**unsupported)).backend == "xla", unsupported

@@ -203,23 +203,24 @@ PAIR_CASES = [
     pytest.param(((1, 2, 16, 16), BF16), ((1, 2, 16, 16), bool), None, id="bias-and-mask"),
     pytest.param(None, ((2, 1, 16, 16), bool), None, id="mask"),
     pytest.param(((16, 16), BF16), None, None, id="bias-2d"),
-    pytest.param(((16, 16), BF16), None, "together with segment_ids", id="bias-segments"),
+    pytest.param(((16, 16), BF16), None, None, id="bias-segments"),
 ]
 
 
 @pytest.mark.parametrize("bias,mask,reason", PAIR_CASES)
-def test_bias_and_mask_support(bias, mask, reason):
+def test_bias_and_mask_support(request, bias, mask, reason):
     """The Hopper kernels take a bias and a boolean mask of [Tq, Tk] tiles; what they cannot
     take is named (on every machine; without a Hopper GPU that reason comes too)."""
     arrays = {name: jnp.zeros(spec[0], spec[1]) for name, spec in (("bias", bias), ("mask", mask)) if spec is not None}
     q = _arrays()[0]
-    if reason == "together with segment_ids":
+    if "segments" in request.node.callspec.id:
         arrays["segment_ids"] = jnp.zeros(q.shape[:2], jnp.int32)
     if reason is None:
         reasons = backends.get("mosaic").supports(dataclasses.replace(
             _hopper_call(), batch=2, seq_q=16, seq_k=16, heads=2, kv_heads=2, head_dim=64,
             arrays=frozenset(arrays), pair_arrays=tuple(
-                (name, (1,) * (4 - x.ndim) + x.shape, jnp.dtype(x.dtype).name) for name, x in arrays.items())))
+                (name, (1,) * (4 - x.ndim) + x.shape, jnp.dtype(x.dtype).name) for name, x in arrays.items()
+                if name in ("bias", "mask"))))
         assert reasons == [], reasons
     else:
         with pytest.raises(NotImplementedError, match=f"mosaic.*{reason}"):
@@ -416,13 +417,18 @@ BIAS_MASK_CASES = [
     pytest.param((2, 1000, 130, 4, 2, 64), False, (1, 1, 1000, 130), (1, 1, 1000, 130), dict(window=(64, 64)),
                  id="q1000>k130-window-bias11-mask11"),
     pytest.param((2, 1536, 1536, 4, 2, 128), True, (2, 1, 1536, 1536), None, {}, id="T1536-causal-biasB1-gqa2"),
+    # With the per-tile ranges: packed documents, padding.
+    pytest.param((2, 1500, 1500, 4, 2, 128), True, (1, 4, 1500, 1500), None, dict(segment_ids=4, kv_lengths=[1500, 1100]),
+                 id="T1500-causal-bias1H-4docs-kv-lengths"),
+    pytest.param((2, 1000, 1200, 4, 4, 64), False, (2, 1, 1000, 1200), (2, 1, 1000, 1200),
+                 dict(q_lengths=[1000, 700], kv_lengths=[900, 1200], window=(300, 300)), id="q1000<k1200-bias-mask-lengths-window"),
 ]
 
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape,causal,bias_shape,mask_shape,other", BIAS_MASK_CASES)
-def test_bias_and_mask(make_inputs, key, shape, causal, bias_shape, mask_shape, other, dtype):
+def test_bias_and_mask(make_inputs, key, rng, shape, causal, bias_shape, mask_shape, other, dtype):
     """A bias (with dbias from the Triton dbias kernel, reduced over its broadcast dims) and a
     boolean mask folded into it: against the reference, forward and every gradient; mask
     rows all False (and bias entries at the masking value) give rows without keys: o = 0,
@@ -443,6 +449,11 @@ def test_bias_and_mask(make_inputs, key, shape, causal, bias_shape, mask_shape, 
         mask = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.8, mask_shape)
         other["mask"] = mask.at[..., 5:9, :].set(False)  # rows without keys
     arrays = {"mask": other.pop("mask")} if "mask" in other else {}
+    for name in ("q_lengths", "kv_lengths"):
+        if name in other:
+            arrays[name] = jnp.asarray(other.pop(name), jnp.int32)
+    if "segment_ids" in other:
+        arrays["segment_ids"] = _documents(rng, shape[0], shape[1], other.pop("segment_ids"))
     # One jit around both (op-by-op evaluation would compile every op of the reference).
     both = jax.jit(lambda x, bias, arrays: run_both(x, bias=bias, config=config, backend="mosaic", causal=causal,
                                                     **arrays, **other))

@@ -65,11 +65,6 @@ def _pair_array_reasons(call: Call) -> list[str]:
         if name == "bias" and dtype != jnp.dtype(call.dtype).name:
             reasons.append(f"a {dtype} bias with {jnp.dtype(call.dtype).name} inputs (the kernels read the bias in "
                            "the inputs' dtype: cast it to use them)")
-    ranges = sorted({"q_lengths", "kv_lengths", "segment_ids"} & call.arrays)
-    if ranges:
-        # The combination lowers, and each part passes on a GPU, but the combination has not
-        # run there yet (benchmarks/results/mosaic-notes.md); until then the Triton kernels run it.
-        reasons.append(f"{names} together with {' and '.join(ranges)} (not verified on a GPU yet)")
     if len(call.pair_arrays) == 2:
         (_, bias_shape, _), (_, mask_shape, _) = call.pair_arrays
         combined = tuple(max(a, b) for a, b in zip(bias_shape, mask_shape))
@@ -242,8 +237,7 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
-    # Split-KV decoding on the forward kernel (kernels/mosaic/decode.py). `auto` passes it by
-    # until it has run on a GPU; backend="mosaic" runs it.
+    # Split-KV decoding on the forward kernel (kernels/mosaic/decode.py), for large caches.
     decode=backends.Decoder(supports=mosaic_decode.supports, run=functools.partial(mosaic_decode.decode, forward=forward),
-                            declines=lambda call: ["not yet run on a GPU (decode_attention(..., backend='mosaic') runs it)"]),
+                            declines=mosaic_decode.declines),
 )

@@ -17,31 +17,43 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from flashjax import flex
 
 # Key tiles per program: enough work per program to hide its launch, few enough that a
 # short row still spreads over the GPU.
 TILES_PER_PROGRAM = 8
+# A tile is evaluated in strips of SUB_ROWS query rows: a whole 128 x 128 tile of int32
+# values is 128 registers per thread at 4 warps, and the mask's temporaries spill.
+SUB_ROWS = 32
+NUM_WARPS = 4
 
 
-def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q: int, block_k: int, tiles: int):
+def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q: int, block_k: int, tiles: int,
+                     sub_rows: int):
     *const_refs, out_ref = refs
     bh, qi, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch, head = bh // n_heads, bh % n_heads
-    # Rows [bq, 1] and columns [1, bk]: mask_mod's values of one side alone (a row's
-    # document id read from a closed-over array) are then loaded once per row or column
-    # (`flex.Mod.tile`), not gathered once per pair.
-    rows = qi * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-    row_valid = rows < q_len
 
     def one_tile(t, codes):
+        # Rows [sub_rows, 1] and columns [1, bk]: mask_mod's values of one side alone (a
+        # row's document id read from a closed-over array) load once per row or column
+        # (`flex.Mod.tile`), not once per pair.
         cols = (chunk * tiles + t) * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        valid = row_valid & (cols < kv_len)
-        attend = mod.tile(const_refs, batch, head, rows, cols)
-        # Reductions over int32: Triton has no boolean any/all.
-        seen = jnp.max(jnp.where(attend & valid, 1, 0))
-        missed = jnp.max(jnp.where(attend | ~valid, 0, 1))
+        col_valid = cols < kv_len
+
+        def strip(r, found):
+            seen, missed = found
+            rows = qi * block_q + r * sub_rows + lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
+            valid = (rows < q_len) & col_valid
+            attend = mod.tile(const_refs, batch, head, rows, cols)
+            # Reductions over int32: Triton has no boolean any/all.
+            seen = jnp.maximum(seen, jnp.max(jnp.where(attend & valid, 1, 0)))
+            missed = jnp.maximum(missed, jnp.max(jnp.where(attend | ~valid, 0, 1)))
+            return seen, missed
+
+        seen, missed = lax.fori_loop(0, block_q // sub_rows, strip, (jnp.int32(0), jnp.int32(0)))
         code = flex.tile_class(seen > 0, missed == 0)
         return jnp.where(lax.broadcasted_iota(jnp.int32, (tiles,), 0) == t, code, codes)
 
@@ -50,7 +62,7 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
 
 
 def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_len: int, block_q: int,
-             block_k: int, *, interpret: bool = False):
+             block_k: int, *, interpret: bool = False, sub_rows: int = SUB_ROWS, num_warps: int = NUM_WARPS):
     """The int8 [n_batch, n_heads, n_q, n_k] classes of `flex.BlockMask.blocks` (n_batch and
     n_heads are 1 for a mask_mod that does not read that axis)."""
     n_q, n_k = -(-q_len // block_q), -(-kv_len // block_k)
@@ -58,7 +70,7 @@ def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_l
     n_chunks = -(-n_k // tiles)
     operands = flex.kernel_operands(consts)
     kernel = functools.partial(_classify_kernel, mod=mod, n_heads=n_heads, q_len=q_len, kv_len=kv_len,
-                               block_q=block_q, block_k=block_k, tiles=tiles)
+                               block_q=block_q, block_k=block_k, tiles=tiles, sub_rows=min(sub_rows, block_q))
     whole = lambda a: pl.BlockSpec(a.shape, lambda bh, qi, c: (0,) * a.ndim)
     codes = pl.pallas_call(
         kernel,
@@ -66,6 +78,7 @@ def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_l
         in_specs=[whole(a) for a in operands],
         out_specs=pl.BlockSpec((None, None, tiles), lambda bh, qi, c: (bh, qi, c)),
         out_shape=jax.ShapeDtypeStruct((n_batch * n_heads, n_q, n_chunks * tiles), jnp.int8),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=interpret,
         name="flashjax_block_mask",
     )(*operands)
