@@ -99,11 +99,11 @@ def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, blo
                   bias=extras.bias is not None or extras.mask is not None)
 
 
-def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int, *, transposed: bool = False):
+def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
     """The kernels' bias input: the bias with the boolean mask folded in as -inf, in the
     inputs' dtype, zero-padded to [Bb, Hb, q_len, k_len] (padded keys are masked by the
-    lengths, padded query rows dropped), or its transpose for the dK/dV kernel; None
-    without either."""
+    lengths, padded query rows dropped); None without either. Every kernel reads it as it
+    is (the dK/dV kernel transposes its tiles as it loads them into registers)."""
     bias, mask = extras.bias, extras.mask
     if bias is None and mask is None:
         return None
@@ -112,8 +112,7 @@ def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int, *, transposed: b
     else:
         combined = jnp.where(mask, jnp.zeros((), dtype) if bias is None else bias.astype(dtype), -jnp.inf).astype(dtype)
     widths = ((0, 0), (0, 0), (0, q_len - combined.shape[2]), (0, k_len - combined.shape[3]))
-    combined = jnp.pad(combined, widths)
-    return jnp.swapaxes(combined, 2, 3) if transposed else combined
+    return jnp.pad(combined, widths)
 
 
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, dtype, *,
@@ -121,8 +120,7 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
     slopes, the segment ids (`common.pad_segment_ids`), the lengths and segments folded into
     per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
-    the dK/dV kernel, by key tile, and the bias with the mask (`_kernel_bias`, transposed
-    for the dK/dV kernel)."""
+    the dK/dV kernel, by key tile, and the bias with the mask (`_kernel_bias`)."""
     q_seg = kv_seg = ranges = None
     if t.segments:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
@@ -134,7 +132,7 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             by_key_block=by_key_block,
         )
     return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                          bias=_kernel_bias(extras, dtype, q_len, k_len, transposed=by_key_block),
+                          bias=_kernel_bias(extras, dtype, q_len, k_len),
                           dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None)
 
 

@@ -102,7 +102,7 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
 def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
     `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...], the
-    segment ids and the bias transposed, [Bb, Hb, Tkp, Tqp]."""
+    segment ids and the bias [Bb, Hb, Tqp, Tkp]."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
@@ -119,7 +119,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped[:3]
         # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
         kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
-        # With a bias: the ring of its transposed tiles (both consumers' key rows) and their barriers.
+        # With a bias: the ring of its tiles (this query tile's rows, both consumers' key
+        # columns) and their barriers.
         bias_smem, bias_ready = bias_scratch
         ring_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if t.segments else ())
         pair = lax.axis_index("pair")
@@ -157,7 +158,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
                 smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
-                bias_t = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, slot, wg, block_kv)
+                bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, wg,
+                                                                                     block_kv)
                 dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
                                       kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t)
 
@@ -199,9 +201,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
                 if t.segments:
                     plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem.at[slot], q_seg_ready.at[slot])
-                if t.bias:  # transposed: the pair's key rows, this query tile's columns
+                if t.bias:  # this query tile's rows, the pair's key columns
                     keys = pl.ds(pair * COMPUTE_WGS * block_kv, COMPUTE_WGS * block_kv)
-                    plgpu.copy_gmem_to_smem(opt.bias_plane(b, h).at[keys, rows], bias_smem.at[slot], bias_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(opt.bias_plane(b, h).at[rows, keys], bias_smem.at[slot], bias_ready.at[slot])
                 _load_query_tile(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
                     (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
@@ -231,7 +233,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
         common.with_bias_scratch(
             lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, bias, scoped),
-            t, COMPUTE_WGS * block_kv, block_q, stages, dtype,
+            t, block_q, COMPUTE_WGS * block_kv, stages, dtype,
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             *common.segment_scratch(t, block_kv, block_q, stages), collective_axes="wg",
         )

@@ -410,6 +410,14 @@ def bias_tile(smem, ready, slot, wg, rows: int):
     return tile.astype(jnp.float32)
 
 
+def bias_tile_transposed(smem, ready, slot, wg, cols: int):
+    """Consumer `wg`'s columns [wg * cols, (wg + 1) * cols) of the bias tile in ring `slot`,
+    waited for, transposed: float32 [cols, rows] in the wgmma register layout."""
+    plgpu.barrier_wait(ready.at[slot])
+    tile = plgpu.load(smem.at[slot, :, pl.ds(wg * cols, cols)].transpose((1, 0)), layout=plgpu.Layout.WGMMA)
+    return tile.astype(jnp.float32)
+
+
 def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = False):
     """Dropout's keep mask of a [block_q, block_kv] tile in the wgmma register layout (or
     [block_kv, block_q] with `transposed`): `flashjax.dropout.tile_keep` of the query and

@@ -1,5 +1,5 @@
-"""The block-mask builder as a Triton kernel: `flex.classify` on a GPU (with
-`flex.KERNEL_BUILDER`, off until its GPU tests have run).
+"""The block-mask builder as a Triton kernel: `flex.classify` on a GPU (unless
+`flex.KERNEL_BUILDER` is False).
 
 One program per (batch x head, query tile, chunk of key tiles) evaluates the traced
 mask_mod on each of its tiles with the attention kernels' own evaluation
