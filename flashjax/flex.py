@@ -41,6 +41,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from flashjax import intervals
+
 __all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -434,13 +436,20 @@ jax.tree_util.register_dataclass(
 
 
 def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, block_q: int = 128,
-               block_k: int = 128) -> BlockMask:
-    """Classifies every tile pair of a mask_mod, exactly, without materialising [q_len, kv_len].
+               block_k: int = 128, exact: bool = False) -> BlockMask:
+    """Classifies every tile pair of a mask_mod without materialising [q_len, kv_len].
 
-    mask_mod is evaluated on every (query, key) pair once, tile row by tile row (a few
-    million pairs per step), and each tile pair is recorded as empty (never loaded by the
-    kernels), full (mask_mod is not evaluated there) or partial. Axes mask_mod does not
-    read (batch, head) are not evaluated and broadcast.
+    Each tile pair is recorded as empty (never loaded by the kernels), full (mask_mod is not
+    evaluated there) or partial. By default mask_mod is evaluated once per tile pair, on
+    intervals (`flashjax.intervals`): every value of the program bounded over the tile's
+    positions. That is sound (a tile called empty or full is so at every pair, so attention
+    is exact either way) and tight on the patterns masks are built from (position
+    comparisons and offsets, windows, document ids read from an array, prefix lengths,
+    chunks); where bounds lose a relation a truly empty or full tile is called partial and
+    masked pair by pair, which costs time, not exactness. ``exact=True``, or a program with an
+    operation that has no interval rule, evaluates mask_mod at every pair instead (tile row
+    by tile row, or a Triton kernel on a GPU). Axes mask_mod does not read (batch, head) are
+    not evaluated and broadcast.
 
     The result can be reused by every call with the same mask_mod and lengths (across layers,
     under jit). The Triton kernels re-tile it to their own tiles, exactly: a kernel tile
@@ -453,6 +462,7 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
       batch, heads: the call's batch size and number of query heads.
       q_len, kv_len: the call's sequence lengths.
       block_q, block_k: tile sizes, powers of two >= 16.
+      exact: evaluate mask_mod at every (query, key) pair: the tightest classification.
 
     Returns:
       A `BlockMask`.
@@ -464,7 +474,8 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
         if not isinstance(value, (int, np.integer)) or value < 16 or value & (value - 1):
             raise ValueError(f"block_mask: {arg} must be a power of two >= 16, got {value!r}.")
     mod, consts = trace(mask_mod, MASK_MOD)
-    blocks = _classify_compiled(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k))
+    blocks = _classify_compiled(mod, consts, int(batch), int(heads), int(q_len), int(kv_len), int(block_q), int(block_k),
+                                bool(exact))
     return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
@@ -477,12 +488,18 @@ def tile_class(meets, full):
     return EMPTY + meets * ((PARTIAL - EMPTY) + (FULL - PARTIAL) * full)
 
 
-def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):
+def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int,
+             exact: bool = False):
     """The int8 [Bm, Hm, n_q, n_k] classes of `BlockMask.blocks`, for a traced mask_mod and its
-    closed-over arrays: by XLA, tile row by tile row, or (`KERNEL_BUILDER`, on a GPU) by a
-    Triton kernel (`kernels/triton/block_mask.py`)."""
+    closed-over arrays: on intervals, once per tile pair (`intervals.classify`), unless
+    `exact` or the program has no interval rule; then at every pair, by XLA tile row by tile
+    row or (`KERNEL_BUILDER`, on a GPU) by a Triton kernel (`kernels/triton/block_mask.py`)."""
     n_batch = batch if mod.uses_batch else 1
     n_heads = heads if mod.uses_head else 1
+    if not exact:
+        codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
+        if codes is not None:
+            return codes
     if KERNEL_BUILDER and jax.default_backend() == "gpu":
         from flashjax.kernels.triton import block_mask as triton_block_mask  # the kernels import this module
 
@@ -519,7 +536,7 @@ def _classify_by_rows(mod: Mod, consts, n_batch: int, n_heads: int, q_len: int, 
 # `block_mask` called outside jit (once per step, say) compiles its builder once per traced
 # mask program and shapes: a new closure over new arrays of the same shapes (a mask_mod
 # built per batch) is the same `Mod`, a cache hit. Under an outer jit it is inlined.
-_classify_compiled = jax.jit(classify, static_argnums=(0, 2, 3, 4, 5, 6, 7))
+_classify_compiled = jax.jit(classify, static_argnums=(0, 2, 3, 4, 5, 6, 7, 8))
 
 
 def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):

@@ -382,6 +382,115 @@ def test_block_mask_kernel_is_exact(mask_mod, batch, heads, q_len, kv_len, block
     np.testing.assert_array_equal(np.broadcast_to(np.asarray(blocks), want.shape), want)
 
 
+def _interval_classes(mask_mod, batch, heads, q_len, kv_len, block_q, block_k):
+    """The interval classification (flashjax.intervals), broadcast to [batch, heads, n_q, n_k]."""
+    from flashjax import intervals
+
+    mod, consts = flex.trace(mask_mod, flex.MASK_MOD)
+    got = intervals.classify(mod.jaxpr, consts, batch if mod.uses_batch else 1, heads if mod.uses_head else 1,
+                             q_len, kv_len, block_q, block_k)
+    assert got is not None, "the program should have interval rules"
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+    return np.broadcast_to(np.asarray(got), (batch, heads, nq, nk))
+
+
+def _assert_sound(got, want):
+    assert not np.any((got == flex.EMPTY) & (want != flex.EMPTY)), "a tile that attends is called empty"
+    assert not np.any((got == flex.FULL) & (want != flex.FULL)), "a tile with masked pairs is called full"
+
+
+_DOCS = jnp.asarray(np.repeat([0, 0, 1, 2, 2, 2, 3], [40, 3, 60, 1, 30, 2, 64])[None].repeat(2, 0), jnp.int32)
+TIGHT = [
+    pytest.param(mods.causal(), id="causal"),
+    pytest.param(mods.causal(offset=-50), id="causal-offset"),
+    pytest.param(mods.chunked(48), id="chunked"),
+    pytest.param(mods.prefix_lm(jnp.array([20, 150])), id="prefix-per-batch"),
+    pytest.param(mods.document_window(_DOCS, 33), id="document-window"),
+    pytest.param(lambda b, h, i, j: jnp.abs(i - j) < 40, id="two-sided-window"),
+    pytest.param(lambda b, h, i, j: (j <= i) & ((i - j) % 3 == 0), id="dilated"),
+    pytest.param(lambda b, h, i, j: (j <= i) | (h == 1), id="head"),
+    pytest.param(lambda b, h, i, j: jnp.minimum(i, 100) >= jnp.maximum(j, 30) - 5, id="min-max"),
+]
+
+
+@pytest.mark.parametrize("mask_mod", TIGHT)
+def test_block_mask_on_intervals_is_tight(mask_mod):
+    """On the patterns masks are built from, the interval classification (one evaluation per
+    tile pair) equals the dense mask's, at odd lengths and Tq != Tk."""
+    args = (2, 2, 203, 190, 16, 32)
+    np.testing.assert_array_equal(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
+
+
+def test_block_mask_on_intervals_is_sound_where_loose():
+    """Where bounds lose a relation ((i - j)^2 >= 0 is true everywhere, but the product's
+    interval on a diagonal tile reaches below 0) the tile is called partial, never empty or
+    full wrongly; exact=True evaluates every pair and is tight."""
+    mask_mod = lambda b, h, i, j: (i - j) * (i - j) >= 0
+    want = _dense_classes(mask_mod, 1, 1, 100, 100, 16, 16)
+    got = _interval_classes(mask_mod, 1, 1, 100, 100, 16, 16)
+    _assert_sound(got, want)
+    assert np.any(got != want), "the case was meant to be loose"
+    exact = flashjax.block_mask(mask_mod, 1, 1, 100, 100, block_q=16, block_k=16, exact=True)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(exact.blocks), want.shape), want)
+
+
+def test_block_mask_without_interval_rules_evaluates_every_pair():
+    """An operation without an interval rule (sin) falls back to evaluating every pair."""
+    from flashjax import intervals
+
+    mask_mod = lambda b, h, i, j: jnp.sin(i.astype(jnp.float32) * 0.1) > jnp.cos(j.astype(jnp.float32) * 0.05)
+    mod, consts = flex.trace(mask_mod, flex.MASK_MOD)
+    assert intervals.classify(mod.jaxpr, consts, 1, 1, 64, 64, 16, 16) is None
+    bm = flashjax.block_mask(mask_mod, 1, 1, 64, 64, block_q=16, block_k=16)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(bm.blocks), (1, 1, 4, 4)),
+                                  _dense_classes(mask_mod, 1, 1, 64, 64, 16, 16))
+
+
+def _random_mask(rng, docs):
+    """A random mask program over positions: comparisons of affine terms, document ids,
+    floor divisions and remainders, abs / min / max, combined by and / or / xor / not (every
+    random choice drawn here, so that each trace of the function is the same program)."""
+    clip = lambda x: jnp.clip(x, 0, docs.shape[1] - 1)
+
+    def draw_term():
+        kind, (a, b), c, d = rng.integers(7), rng.integers(1, 4, size=2), int(rng.integers(-40, 41)), int(rng.integers(1, 50))
+        m, e = int(rng.integers(1, 9)), int(rng.integers(0, 400))
+        return [
+            lambda i, j: a * i - b * j + c,
+            lambda i, j: docs[0, clip(i)] - docs[0, clip(j)],
+            lambda i, j: i // d - j // d,
+            lambda i, j: (i - j) % m - e % 3,
+            lambda i, j: jnp.abs(i - j + c) - e % 60,
+            lambda i, j: jnp.minimum(i, 80 + c) - jnp.maximum(j, 40 - c),
+            lambda i, j: (i - j) * (i - j + c) - e,
+        ][kind]
+
+    ops = [lambda x: x < 0, lambda x: x <= 0, lambda x: x == 0, lambda x: x != 0, lambda x: x > 0]
+    leaves = [(draw_term(), ops[rng.integers(len(ops))], bool(rng.integers(2))) for _ in range(3)]
+    joins = [int(j) for j in rng.integers(3, size=2)]
+
+    def mask_mod(b, h, i, j):
+        values = [~op(t(i, j)) if negate else op(t(i, j)) for t, op, negate in leaves]
+        out = values[0]
+        for v, join in zip(values[1:], joins):
+            out = (out & v) if join == 0 else (out | v) if join == 1 else (out ^ v)
+        return out
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_block_mask_on_intervals_is_sound_on_random_masks(seed):
+    """Random combinations of what interval rules exist for: no tile is called empty or full
+    that is not (the property the kernels rely on), at odd lengths and tiles."""
+    rng = np.random.default_rng(seed)
+    mask_mod = _random_mask(rng, _DOCS)
+    q_len, kv_len = int(rng.integers(30, 220)), int(rng.integers(30, 220))
+    block_q, block_k = (int(x) for x in rng.choice([16, 32, 64], size=2))
+    args = (1, 1, q_len, kv_len, block_q, block_k)
+    _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
+
+
 @pytest.mark.parametrize("mask_mod", [mods.chunked(64), mods.prefix_lm(jnp.array([40])), mods.document_window(
     jnp.asarray(np.repeat([0, 1], [20, 80])[None], jnp.int32), 70)], ids=["chunked", "prefix-lm", "document-window"])
 def test_block_mask_ranges_skip_and_fill(mask_mod):
