@@ -24,6 +24,7 @@ not bound return None, and `flex.classify` evaluates every pair instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -194,11 +195,10 @@ class _RangeTables:
                 width *= 2
             self._tables[key] = (jnp.stack(levels_min), jnp.stack(levels_max), array)
         table_min, table_max, _ = self._tables[key]
-        length = hi - lo + 1
-        level = jnp.floor(jnp.log2(jnp.maximum(length, 1).astype(jnp.float32))).astype(jnp.int32)
-        level = jnp.minimum(level, table_min.shape[0] - 1)
-        # Rounding of log2 at exact powers of two: step down where 2^level overshoots.
-        level = jnp.where(jnp.left_shift(1, level) > length, level - 1, level)
+        length = jnp.maximum(hi - lo + 1, 1).astype(jnp.int32)
+        # floor(log2(length)), exactly: the two windows of 2^level from lo and ending at hi
+        # cover [lo, hi].
+        level = jnp.minimum(31 - lax.clz(length), table_min.shape[0] - 1)
         second = hi - jnp.left_shift(1, level) + 1
 
         def at(table, position):
@@ -329,7 +329,8 @@ def _call(eqn, ins, tables):
     """A nested call: jnp's floor_divide and remainder by a positive constant get their exact
     monotone rules (the bodies' sign corrections would widen the intervals); others inline."""
     name = eqn.params.get("name", "")
-    if name in ("floor_divide", "remainder") and len(ins) == 2 and not any(isinstance(v, Array) for v in ins):
+    if (name in ("floor_divide", "remainder") and len(ins) == 2 and not any(isinstance(v, Array) for v in ins)
+            and _is_jnp(name, eqn)):
         a, b = (_as_num(v) for v in ins)
         if _is_constant(b) and bool(jnp.all(b.lo > 0)):
             return _divide(a, b, floor=True) if name == "floor_divide" else _modulo(a, b, floor=True)
@@ -340,6 +341,25 @@ def _call(eqn, ins, tables):
         if isinstance(param, jex_core.Jaxpr) and len(param.invars) == len(ins) and not param.constvars:
             return tuple(_evaluate(param, ins, tables))
     raise Unsupported(f"call {eqn.primitive.name}")
+
+
+@functools.lru_cache(maxsize=64)
+def _jnp_body(name: str, avals: tuple) -> str:
+    """The text of jnp.<name>'s nested jaxpr at these operand (shape, dtype, weak_type)s."""
+    args = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in avals]
+    (eqn,) = jax.make_jaxpr(getattr(jnp, name))(*args).jaxpr.eqns
+    return str(eqn.params["jaxpr"])
+
+
+def _is_jnp(name: str, eqn) -> bool:
+    """Whether a call named floor_divide / remainder is jnp's own (a user's function of that
+    name gets no special rule)."""
+    avals = tuple((tuple(v.aval.shape), jnp.dtype(v.aval.dtype), bool(getattr(v.aval, "weak_type", False)))
+                  for v in eqn.invars)
+    try:
+        return _jnp_body(name, avals) == str(eqn.params.get("jaxpr"))
+    except Exception:  # noqa: BLE001 - any mismatch in tracing jnp's version: no special rule
+        return False
 
 
 def classify(jaxpr, consts, n_batch: int, n_heads: int, q_len: int, kv_len: int, block_q: int, block_k: int):

@@ -434,6 +434,19 @@ def test_block_mask_on_intervals_is_sound_where_loose():
     np.testing.assert_array_equal(np.broadcast_to(np.asarray(exact.blocks), want.shape), want)
 
 
+def test_block_mask_on_intervals_trusts_only_jnp_floor_divide():
+    """jnp.floor_divide and jnp.remainder by a constant get exact monotone rules; a user's own
+    jitted function of the same name is evaluated by its body."""
+
+    @jax.jit
+    def floor_divide(a, b):  # not a division
+        return a * b - 7 * (a % 5)
+
+    mask_mod = lambda b, h, i, j: floor_divide(i, 3) >= j
+    args = (1, 1, 150, 140, 16, 16)
+    _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
+
+
 def test_block_mask_without_interval_rules_evaluates_every_pair():
     """An operation without an interval rule (sin) falls back to evaluating every pair."""
     from flashjax import intervals
