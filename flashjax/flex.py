@@ -50,9 +50,9 @@ SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # The block-mask builder evaluates mask_mod on about this many (query, key) pairs per step.
 _STEP_PAIRS = 1 << 21
-# Whether `classify` builds block masks with the Triton kernel on a GPU: on an H100 a 32k
-# block mask takes it 0.22-0.36 of a causal forward, the XLA builder 0.58-0.64
-# (benchmarks/flex.py's block-mask rows). False: the XLA builder everywhere.
+# Whether `classify`, where it evaluates every pair (exact=True, or a mask_mod without
+# interval rules), does so with the Triton kernel on a GPU: on an H100 a 32k block mask takes
+# it 0.19-0.22 of a causal forward, the XLA builder 0.58-0.64. False: XLA everywhere.
 KERNEL_BUILDER = True
 
 
