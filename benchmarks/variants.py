@@ -313,7 +313,7 @@ def main(argv=None):
                         "'NAME@T' for one sequence length (e.g. 'bias@8192,mask (doc@16384')")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of the existing results file that this run does not measure")
+                        help="keep the existing results file's rows and cells that this run does not measure")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     if unknown := set(impls) - set(IMPLS):
@@ -327,22 +327,26 @@ def main(argv=None):
 
     device = jax.devices()[0].device_kind
     checker = VariantChecker()
-    rows = []
     print(header())
     selected = cases(args.quick, args.smoke, args.only)
     out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
-    kept, date = [], datetime.date.today().isoformat()
+    today = datetime.date.today().isoformat()
+    # With --merge, the file's rows in their order: a row measured now replaces the cells of
+    # the implementations measured (each with its date), keeping the others; new rows follow.
+    rows, date = [], today
     if args.merge and out.exists():
-        measured = {(c.name, c.seq, c.batch) for c in selected}
         previous = json.loads(out.read_text())
-        kept = [r for r in previous["rows"] if (r["variant"], r["seq"], r["batch"]) not in measured]
-        # The file keeps its run's date; the rows measured now carry theirs.
-        date = previous.get("date", date) if kept else date
+        rows, date = previous["rows"], previous.get("date", today)
+    index = {(r["variant"], r["seq"], r["batch"]): i for i, r in enumerate(rows)}
     for case in selected:
         inputs = benchmark.make_inputs(cell(case, "fwd", "flashjax"))
-        row = dict(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
-                   useful_fraction=case.visible, baseline=case.baseline, date=datetime.date.today().isoformat())
+        key = (case.name, case.seq, case.batch)
+        row = dict(rows[index[key]]) if key in index else dict(date=today)
+        row.update(variant=case.name, seq=case.seq, batch=case.batch, heads=case.heads, head_dim=case.head_dim,
+                   useful_fraction=case.visible, baseline=case.baseline)
         for impl in impls:
+            for name in [k for k in row if k.startswith(f"{impl}_")]:
+                del row[name]
             for mode in MODES:
                 started = time.perf_counter()
                 result = measure(case, impl, mode, inputs, checker, args.reps)
@@ -351,11 +355,22 @@ def main(argv=None):
                       f"{result.get('ms', float('nan')):.3f} ms ({time.perf_counter() - started:.0f} s)",
                       file=sys.stderr, flush=True)
                 row.update({f"{impl}_{mode}_{name}": value for name, value in result.items()})
-        rows.append(row)
+            row[f"{impl}_date"] = today
+        # The row's date: its cells' common date (cells of another day keep their own).
+        dates = {row.get(f"{impl}_date", row.get("date")) for impl in IMPLS if f"{impl}_fwd_status" in row}
+        if len(dates) == 1:
+            row["date"] = dates.pop()
+            for impl in IMPLS:
+                row.pop(f"{impl}_date", None)
+        if key in index:
+            rows[index[key]] = row
+        else:
+            index[key] = len(rows)
+            rows.append(row)
         print(_line(row), flush=True)
         # Written after every row: a run cut short keeps what it measured.
         result = dict(device=device, jax=jax.__version__, flashjax=flashjax.__version__, host=platform.node(),
-                      date=date, rows=kept + rows,
+                      date=date, rows=rows,
                       protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS,
                                     check_heads=CHECK_HEADS, tolerance=benchmark.TOLERANCE,
                                     flops="dense 4*B*H*T*T*D, x3.5 fwd+bwd"))
