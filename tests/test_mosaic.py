@@ -513,6 +513,42 @@ def test_kernel_bias_folds_the_mask_and_pads():
     assert mosaic_backend._kernel_bias(Extras(), BF16, 8, 9) is None
 
 
+def test_mask_narrows_the_tile_ranges(rng, monkeypatch):
+    """A boolean mask shared by the heads gives the Hopper kernels the tile ranges its tiles
+    allow (on every machine; `MASK_TILE_RANGES`, off until it has run on a GPU): packed
+    documents as a dense mask get the same ranges, forward and dK/dV, as the same documents
+    given as segment ids; a per-head mask gets none."""
+    from flashjax import masks
+    from flashjax.kernels import common
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.params import AttentionParams, Extras
+
+    monkeypatch.setattr(mosaic_backend, "MASK_TILE_RANGES", True)
+    batch, seq, block_q, block_kv = 2, 1000, 64, 128
+    params = AttentionParams(scale=0.125, causal=False, backend="mosaic")
+    ids = _documents(rng, batch, seq, 5)
+    dense = (ids[:, None, :, None] == ids[:, None, None, :])
+    q_len, k_len = 1024, 1024
+    for by_key_block in (False, True):
+        t = mosaic_backend._tiling(params, Extras(mask=dense), seq, seq, block_q, block_kv, 2)
+        assert t.ranges
+        got = mosaic_backend._optional(Extras(mask=dense), t, batch, seq, seq, q_len, k_len, BF16,
+                                       by_key_block=by_key_block).ranges
+        padded = common.pad_segment_ids(ids, q_len)
+        want = masks.dynamic_ranges(batch=batch, seq_q=seq, seq_k=seq, block_q=block_q, block_k=block_kv,
+                                    padded_q=q_len, padded_k=k_len, q_segment_ids=padded, kv_segment_ids=padded,
+                                    by_key_block=by_key_block)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    meets, full = mosaic_backend._mask_tile_flags(dense, block_q, block_kv, q_len, k_len)
+    tiles = np.zeros((batch, 1, q_len, k_len), bool)
+    tiles[..., :seq, :seq] = np.asarray(dense)
+    blocks = tiles.reshape(batch, 1, q_len // block_q, block_q, k_len // block_kv, block_kv)
+    np.testing.assert_array_equal(np.asarray(meets), blocks.any(axis=(3, 5)))
+    assert np.asarray(full).sum() > 0 and not np.any(np.asarray(full) & ~blocks.any(axis=(3, 5)))
+    per_head = jnp.broadcast_to(dense, (batch, 3, seq, seq))
+    assert not mosaic_backend._has_ranges(Extras(mask=per_head))
+
+
 def test_bias_gradient_alone(make_inputs, key):
     """The Hopper backward's dbias: the Triton dbias kernel alone (`triton_backend.bias_gradient`,
     interpret mode on the CPU) from the reference's o and lse, against the reference's dbias,

@@ -86,8 +86,34 @@ def default_config(call: Call) -> MosaicConfig:
 
 
 def _has_ranges(extras: Extras) -> bool:
-    """Lengths or segment ids: the kernels take per-tile ranges."""
-    return any(a is not None for a in (extras.q_lengths, extras.kv_lengths, extras.q_segment_ids))
+    """Lengths, segment ids or a mask shared by the heads: the kernels take per-tile ranges."""
+    return (any(a is not None for a in (extras.q_lengths, extras.kv_lengths, extras.q_segment_ids))
+            or _mask_skips_tiles(extras))
+
+
+# Whether a boolean mask shared by the heads narrows the tile ranges (`_mask_tile_flags`).
+# Off until it has run on a GPU (tests/test_mosaic.py -k "test_bias_and_mask" with it on,
+# then benchmarks/variants.py's mask rows); the kernels' range and bias paths it combines
+# have each passed there.
+MASK_TILE_RANGES = False
+
+
+def _mask_skips_tiles(extras: Extras) -> bool:
+    """A boolean mask [B or 1, 1, Tq, Tk] narrows the tile ranges (the ranges are per batch
+    row, not per head: a per-head mask is applied pair by pair on every tile)."""
+    return MASK_TILE_RANGES and extras.mask is not None and extras.mask.shape[1] == 1
+
+
+def _mask_tile_flags(mask, block_q: int, block_k: int, q_len: int, k_len: int):
+    """(meets, full) bool [B or 1, 1, q_len / block_q, k_len / block_k] of a boolean mask
+    [B or 1, 1, Tq, Tk]: the tiles with a True pair, and those with no False one (padding
+    counts as neither). One read of the mask; nothing of its size is written."""
+    rows, cols = mask.shape[2:]
+    widths = ((0, 0), (0, 0), (0, q_len - rows), (0, k_len - cols))
+    tiles = lambda x: x.reshape(x.shape[:2] + (q_len // block_q, block_q, k_len // block_k, block_k))
+    meets = tiles(jnp.pad(mask, widths, constant_values=False)).any(axis=(3, 5))
+    full = tiles(jnp.pad(mask, widths, constant_values=True)).all(axis=(3, 5))
+    return meets, full
 
 
 def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
@@ -120,7 +146,8 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
     slopes, the segment ids (`common.pad_segment_ids`), the lengths and segments folded into
     per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
-    the dK/dV kernel, by key tile, and the bias with the mask (`_kernel_bias`)."""
+    the dK/dV kernel, by key tile (narrowed to the tiles a mask shared by the heads leaves
+    non-empty), and the bias with the mask (`_kernel_bias`)."""
     q_seg = kv_seg = ranges = None
     if t.segments:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
@@ -130,6 +157,8 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=t.block_q, block_k=t.block_kv, padded_q=q_len, padded_k=k_len,
             q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
             by_key_block=by_key_block,
+            # Tiles the mask leaves empty are never loaded; those it leaves full are unmasked.
+            blocks=_mask_tile_flags(extras.mask, t.block_q, t.block_kv, q_len, k_len) if _mask_skips_tiles(extras) else None,
         )
     return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                           bias=_kernel_bias(extras, dtype, q_len, k_len),
