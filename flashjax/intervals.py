@@ -116,6 +116,19 @@ def _corners(f, a: Num, b: Num) -> Num:
     return Num(lo, hi, a.point and b.point)
 
 
+def _no_overflow(result: Num, f, a: Num, b: Num) -> Num:
+    """`result` of integer arithmetic f, widened to the whole integer range wherever f at
+    the box's corners leaves it in float32 (the wrapped integer bounds would not hold)."""
+    if not jnp.issubdtype(jnp.result_type(result.lo), jnp.integer):
+        return result
+    info = jnp.iinfo(jnp.result_type(result.lo))
+    up = lambda x: x.astype(jnp.float32)
+    exact = _corners(f, Num(up(a.lo), up(a.hi), a.point), Num(up(b.lo), up(b.hi), b.point))
+    # float32 rounding near the limit: a margin of 2^9 (below float32's spacing there is 2^8).
+    wraps = (exact.lo < info.min + 512.0) | (exact.hi > info.max - 512.0)
+    return Num(jnp.where(wraps, info.min, result.lo), jnp.where(wraps, info.max, result.hi), result.point)
+
+
 def _divide(a: Num, b: Num, floor: bool) -> Num:
     """a / b (truncated for integers, or floored with `floor`) for a constant nonzero b."""
     if not _is_constant(b):
@@ -291,12 +304,12 @@ def _rule(name, eqn, ins, tables):
     nums = [_as_num(v) for v in ins]
     if name == "add":
         a, b = nums
-        return Num(a.lo + b.lo, a.hi + b.hi, a.point and b.point)
+        return _no_overflow(Num(a.lo + b.lo, a.hi + b.hi, a.point and b.point), jnp.add, a, b)
     if name == "sub":
         a, b = nums
-        return Num(a.lo - b.hi, a.hi - b.lo, a.point and b.point)
+        return _no_overflow(Num(a.lo - b.hi, a.hi - b.lo, a.point and b.point), jnp.subtract, a, b)
     if name == "mul":
-        return _corners(lambda x, y: x * y, *nums)
+        return _no_overflow(_corners(jnp.multiply, *nums), jnp.multiply, *nums)
     if name == "neg":
         (a,) = nums
         return Num(-a.hi, -a.lo, a.point)

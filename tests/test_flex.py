@@ -447,6 +447,15 @@ def test_block_mask_on_intervals_trusts_only_jnp_floor_divide():
     _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
 
 
+def test_block_mask_on_intervals_is_sound_when_int32_wraps():
+    """i * 100000007 wraps around int32 more than once within a tile of 64 rows: bounds
+    computed in int32 (both ends positive at tile 49) would call a tile full whose middle rows
+    wrap to negative; the interval is widened where its float32 twin leaves the int32 range."""
+    mask_mod = lambda b, h, i, j: (i * 100000007 + j) > 0
+    args = (1, 1, 4096, 64, 64, 64)
+    _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
+
+
 def test_block_mask_without_interval_rules_evaluates_every_pair():
     """An operation without an interval rule (sin) falls back to evaluating every pair."""
     from flashjax import intervals
