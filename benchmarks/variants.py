@@ -195,9 +195,17 @@ def implementation(case: Case, impl: str, q, k, v):
         backend = BACKENDS[impl]
         flashjax.explain(q, k, v, backend=backend, **options)  # NotImplementedError: the backend's reasons
         call = lambda q, k, v, **kw: flashjax.flash_attention(q, k, v, backend=backend, **kw)
-    arrays = {name: value for name, value in options.items() if isinstance(value, jax.Array)}
-    static = {name: value for name, value in options.items() if name not in arrays}
+    arrays, static = _split_arrays(options)
     return (lambda q, k, v, arrays: call(q, k, v, **static, **arrays)), arrays
+
+
+def _split_arrays(options: dict) -> tuple[dict, dict]:
+    """(array options: bias, mask, ids, lengths, keys; the others), so that the arrays can be
+    arguments of a compiled program rather than constants in it."""
+    import jax
+
+    arrays = {name: value for name, value in options.items() if isinstance(value, jax.Array)}
+    return arrays, {name: value for name, value in options.items() if name not in arrays}
 
 
 # ---- the check: the reference on a slice of query rows ---------------------------------------
@@ -245,8 +253,7 @@ class VariantChecker:
             qs, dos = f32(q[:1, start:end, :CHECK_HEADS]), f32(do[:1, start:end, :CHECK_HEADS])
             ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
             options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()}
-            arrays = {name: value for name, value in options.items() if isinstance(value, jax.Array)}
-            static = {name: value for name, value in options.items() if name not in arrays}
+            arrays, static = _split_arrays(options)
 
             # One jit: evaluated op by op, every op of the reference compiles (and XLA
             # autotunes its matmuls) at this row's shapes, minutes at T = 8k with a bias.

@@ -41,8 +41,6 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from flashjax import intervals
-
 __all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -302,7 +300,7 @@ def _evaluate_batched(jaxpr, consts, args, rank: int) -> list:
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
-        inner = _inner_jaxpr(eqn) if has_ref else None
+        inner = inner_jaxpr(eqn) if has_ref else None
         if inner is not None:
             # A nested call that reads a closed-over array: inline it, keeping the batching.
             jaxpr_, consts_ = inner
@@ -354,7 +352,7 @@ def _with_refs(eqn, ins) -> list:
         out = _point_gather(eqn, array, ins[1])
         if out is not None:
             return [out]
-    inner = _inner_jaxpr(eqn)
+    inner = inner_jaxpr(eqn)
     if inner is not None:
         jaxpr, consts = inner
         return _evaluate(jaxpr, consts, ins)
@@ -395,7 +393,7 @@ def _point_gather(eqn, array: _ConstRef, indices):
     return value
 
 
-def _inner_jaxpr(eqn):
+def inner_jaxpr(eqn):
     """(jaxpr, consts) of a call-like equation (jit, custom_jvp/vjp call, remat) taking the equation's operands."""
     for param in eqn.params.values():
         if isinstance(param, jex_core.ClosedJaxpr) and len(param.jaxpr.invars) == len(eqn.invars):
@@ -497,6 +495,8 @@ def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, 
     n_batch = batch if mod.uses_batch else 1
     n_heads = heads if mod.uses_head else 1
     if not exact:
+        from flashjax import intervals  # it reads this module's evaluation helpers
+
         codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
         if codes is not None:
             return codes

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
+from flashjax import flex
+
 __all__ = ["classify"]
 
 
@@ -258,12 +260,19 @@ def _evaluate(jaxpr, env_values, tables: _RangeTables):
     return [read(x) for x in jaxpr.outvars]
 
 
-_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p", "optimization_barrier"}
+_IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy"}
+
+
+# Call-like primitives: their body runs once on the operands (loops do not: scan, while).
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
 
 
 def _rule(name, eqn, ins, tables):
-    if name in ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"):
-        return _call(eqn, ins, tables)
+    if name in _CALLS:
+        inner = flex.inner_jaxpr(eqn)
+        if inner is None:
+            raise Unsupported(f"call {name}")
+        return _call(eqn, inner, ins, tables)
     if any(isinstance(v, Array) for v in ins) and name != "dynamic_slice":
         raise Unsupported(f"{name} of a closed-over array")
     if name in _IDENTITY:
@@ -338,22 +347,23 @@ def _rule(name, eqn, ins, tables):
     raise Unsupported(name)
 
 
-def _call(eqn, ins, tables):
-    """A nested call: jnp's floor_divide and remainder by a positive constant get their exact
-    monotone rules (the bodies' sign corrections would widen the intervals); others inline."""
+def _call(eqn, inner, ins, tables):
+    """A nested call (`inner`: its (jaxpr, consts)): jnp's floor_divide and remainder by a
+    positive constant get their exact monotone rules (the bodies' sign corrections would
+    widen the intervals); others are evaluated inline."""
     name = eqn.params.get("name", "")
     if (name in ("floor_divide", "remainder") and len(ins) == 2 and not any(isinstance(v, Array) for v in ins)
             and _is_jnp(name, eqn)):
         a, b = (_as_num(v) for v in ins)
         if _is_constant(b) and bool(jnp.all(b.lo > 0)):
             return _divide(a, b, floor=True) if name == "floor_divide" else _modulo(a, b, floor=True)
-    for param in eqn.params.values():
-        if isinstance(param, jex_core.ClosedJaxpr) and len(param.jaxpr.invars) == len(ins):
-            consts = [Array(c) if jnp.ndim(c) else _num(c) for c in param.consts]
-            return tuple(_evaluate(param.jaxpr, [*consts, *ins], tables))
-        if isinstance(param, jex_core.Jaxpr) and len(param.invars) == len(ins) and not param.constvars:
-            return tuple(_evaluate(param, ins, tables))
-    raise Unsupported(f"call {eqn.primitive.name}")
+    jaxpr, consts = inner
+    return tuple(_evaluate(jaxpr, [*map(_const, consts), *ins], tables))
+
+
+def _const(c):
+    """A closed-over value: an array read by index, or a scalar number."""
+    return Array(jnp.asarray(c)) if jnp.ndim(c) else _num(c)
 
 
 @functools.lru_cache(maxsize=64)
@@ -379,8 +389,6 @@ def classify(jaxpr, consts, n_batch: int, n_heads: int, q_len: int, kv_len: int,
     """The int8 [n_batch, n_heads, n_q, n_k] tile classes of a traced mask_mod (`flex.Mod.jaxpr`
     and its closed-over arrays), or None when the program has an operation without an
     interval rule. n_batch / n_heads are 1 for an axis the mask_mod does not read."""
-    from flashjax import flex
-
     n_q, n_k = -(-q_len // block_q), -(-kv_len // block_k)
     q_lo = jnp.arange(n_q, dtype=jnp.int32)[None, None, :, None] * block_q
     k_lo = jnp.arange(n_k, dtype=jnp.int32)[None, None, None, :] * block_k
@@ -390,9 +398,8 @@ def classify(jaxpr, consts, n_batch: int, n_heads: int, q_len: int, kv_len: int,
         Num(q_lo, jnp.minimum(q_lo + block_q, q_len) - 1, False),
         Num(k_lo, jnp.minimum(k_lo + block_k, kv_len) - 1, False),
     ]
-    const_values = [Array(jnp.asarray(c)) if jnp.ndim(c) else _num(c) for c in consts]
     try:
-        (result,) = _evaluate(jaxpr, [*const_values, *args], _RangeTables())
+        (result,) = _evaluate(jaxpr, [*map(_const, consts), *args], _RangeTables())
     except Unsupported:
         return None
     result = _as_bool(result)

@@ -63,7 +63,7 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
 
 
 def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_len: int, block_q: int,
-             block_k: int, *, interpret: bool = False, sub_rows: int = SUB_ROWS, num_warps: int = NUM_WARPS):
+             block_k: int, *, interpret: bool = False):
     """The int8 [n_batch, n_heads, n_q, n_k] classes of `flex.BlockMask.blocks` (n_batch and
     n_heads are 1 for a mask_mod that does not read that axis)."""
     n_q, n_k = -(-q_len // block_q), -(-kv_len // block_k)
@@ -71,7 +71,7 @@ def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_l
     n_chunks = -(-n_k // tiles)
     operands = flex.kernel_operands(consts)
     kernel = functools.partial(_classify_kernel, mod=mod, n_heads=n_heads, q_len=q_len, kv_len=kv_len,
-                               block_q=block_q, block_k=block_k, tiles=tiles, sub_rows=min(sub_rows, block_q))
+                               block_q=block_q, block_k=block_k, tiles=tiles, sub_rows=min(SUB_ROWS, block_q))
     whole = lambda a: pl.BlockSpec(a.shape, lambda bh, qi, c: (0,) * a.ndim)
     codes = pl.pallas_call(
         kernel,
@@ -79,7 +79,7 @@ def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_l
         in_specs=[whole(a) for a in operands],
         out_specs=pl.BlockSpec((None, None, tiles), lambda bh, qi, c: (bh, qi, c)),
         out_shape=jax.ShapeDtypeStruct((n_batch * n_heads, n_q, n_chunks * tiles), jnp.int8),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
         interpret=interpret,
         name="flashjax_block_mask",
     )(*operands)
