@@ -513,9 +513,9 @@ def test_kernel_bias_folds_the_mask_and_pads():
     assert mosaic_backend._kernel_bias(Extras(), BF16, 8, 9) is None
 
 
-def test_mask_narrows_the_tile_ranges(rng, monkeypatch):
+def test_mask_narrows_the_tile_ranges(rng):
     """A boolean mask shared by the heads gives the Hopper kernels the tile ranges its tiles
-    allow (on every machine; `MASK_TILE_RANGES`, off until it has run on a GPU): packed
+    allow (computed on every machine): packed
     documents as a dense mask get the same ranges, forward and dK/dV, as the same documents
     given as segment ids; a per-head mask gets none."""
     from flashjax import masks
@@ -523,7 +523,6 @@ def test_mask_narrows_the_tile_ranges(rng, monkeypatch):
     from flashjax.kernels.mosaic import backend as mosaic_backend
     from flashjax.params import AttentionParams, Extras
 
-    monkeypatch.setattr(mosaic_backend, "MASK_TILE_RANGES", True)
     batch, seq, block_q, block_kv = 2, 1000, 64, 128
     params = AttentionParams(scale=0.125, causal=False, backend="mosaic")
     ids = _documents(rng, batch, seq, 5)

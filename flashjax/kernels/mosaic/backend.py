@@ -91,17 +91,10 @@ def _has_ranges(extras: Extras) -> bool:
             or _mask_skips_tiles(extras))
 
 
-# Whether a boolean mask shared by the heads narrows the tile ranges (`_mask_tile_flags`).
-# Off until it has run on a GPU (tests/test_mosaic.py -k "test_bias_and_mask" with it on,
-# then benchmarks/variants.py's mask rows); the kernels' range and bias paths it combines
-# have each passed there.
-MASK_TILE_RANGES = False
-
-
 def _mask_skips_tiles(extras: Extras) -> bool:
     """A boolean mask [B or 1, 1, Tq, Tk] narrows the tile ranges (the ranges are per batch
     row, not per head: a per-head mask is applied pair by pair on every tile)."""
-    return MASK_TILE_RANGES and extras.mask is not None and extras.mask.shape[1] == 1
+    return extras.mask is not None and extras.mask.shape[1] == 1
 
 
 def _mask_tile_flags(mask, block_q: int, block_k: int, q_len: int, k_len: int):
