@@ -281,7 +281,9 @@ def readme_sections(results_file: Path, config: str) -> dict[str, str]:
     sections = {"results": markdown(load(results_file), config)}
     for name, prefix, render in (("variants", "variants-", variants_markdown), ("ring", "ring-", ring_markdown),
                                  ("train", "train_lm-", train_markdown)):
-        path = newest(prefix)
+        # The same GPU's file where there is one (mtimes say nothing in a fresh clone).
+        same_device = RESULTS_DIR / f"{prefix}{results_file.name}"
+        path = same_device if same_device.exists() else newest(prefix)
         if path is not None:
             sections[name] = render(load(path))
     return sections

@@ -359,10 +359,21 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     if bias is not None:
         s = s + masks.bias_logits(bias) * unit
     if slope is not None:
-        rows, cols = _positions(s.shape, q_start, k_start, transposed)
-        distance = jnp.abs(rows + t.spec.offset - cols).astype(jnp.float32)
+        # Positions as float32 vectors in the tile's row and column layouts (exact below
+        # 2**24), so that each entry costs a subtract, an abs and a multiply-add.
+        q_dim, k_dim = (1, 0) if transposed else (0, 1)
+        rows = _position_vector(s.shape, q_dim, q_start + t.spec.offset)
+        cols = _position_vector(s.shape, k_dim, k_start)
+        distance = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [q_dim]) - lax.broadcast_in_dim(cols, s.shape, [k_dim]))
         s = s - (slope if unit == 1.0 else slope * unit) * distance
     return s, dlogits
+
+
+def _position_vector(shape, dim: int, start):
+    """float32 positions start + [0, shape[dim]) along `dim` of a wgmma-layout tile, in the
+    layout that broadcasts back along the other dim."""
+    iota = plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
+    return (iota + start).astype(jnp.float32)
 
 
 def _positions(shape, q_start, k_start, transposed: bool):
