@@ -515,9 +515,8 @@ def test_kernel_bias_folds_the_mask_and_pads():
 
 def test_mask_narrows_the_tile_ranges(rng):
     """A boolean mask shared by the heads gives the Hopper kernels the tile ranges its tiles
-    allow (computed on every machine): packed
-    documents as a dense mask get the same ranges, forward and dK/dV, as the same documents
-    given as segment ids; a per-head mask gets none."""
+    allow (computed on every machine): packed documents as a dense mask get the same ranges,
+    forward and dK/dV, as the same documents given as segment ids; a per-head mask gets none."""
     from flashjax import masks
     from flashjax.kernels import common
     from flashjax.kernels.mosaic import backend as mosaic_backend

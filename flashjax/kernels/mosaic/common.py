@@ -362,18 +362,17 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
         # Positions as float32 vectors in the tile's row and column layouts (exact below
         # 2**24), so that each entry costs a subtract, an abs and a multiply-add.
         q_dim, k_dim = (1, 0) if transposed else (0, 1)
-        rows = _position_vector(s.shape, q_dim, q_start + t.spec.offset)
-        cols = _position_vector(s.shape, k_dim, k_start)
+        rows = _position_vector(s.shape, q_dim, q_start + t.spec.offset).astype(jnp.float32)
+        cols = _position_vector(s.shape, k_dim, k_start).astype(jnp.float32)
         distance = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [q_dim]) - lax.broadcast_in_dim(cols, s.shape, [k_dim]))
         s = s - (slope if unit == 1.0 else slope * unit) * distance
     return s, dlogits
 
 
 def _position_vector(shape, dim: int, start):
-    """float32 positions start + [0, shape[dim]) along `dim` of a wgmma-layout tile, in the
+    """int32 positions start + [0, shape[dim]) along `dim` of a wgmma-layout tile, in the
     layout that broadcasts back along the other dim."""
-    iota = plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim))
-    return (iota + start).astype(jnp.float32)
+    return plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim)) + start
 
 
 def _positions(shape, q_start, k_start, transposed: bool):
@@ -436,7 +435,7 @@ def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = 
     `stream` (`OptionalInputs.dropout_stream`). The row keys are hashed once per query row,
     in the layout of the tile's query dim, then broadcast."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    rows = plgpu.broadcasted_iota(jnp.int32, (shape[q_dim],), 0, layout=plgpu.Layout.WGMMA.reduce(k_dim)) + q_start
+    rows = _position_vector(shape, q_dim, q_start)
     row_keys = lax.broadcast_in_dim(dropout.row_keys(stream, rows), shape, [q_dim])
     cols = plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
     return dropout.keep_bits(row_keys, cols, dropout.keep_threshold(t.dropout_rate))
