@@ -30,8 +30,11 @@ Implementations (cells of one row: a case at one T):
 * ``flashjax``: `flashjax.flash_attention(backend="triton", score_mod=, block_mask=)`;
   a mask_mod's block mask is built once by `flashjax.block_mask` (128 x 128 tiles,
   outside the timed call, as FlexAttention users do with ``create_block_mask``);
-* ``flashjax_builtin``: the built-in option, on the same backend (Triton: the backend
-  that runs mods; `backend="auto"` would take the Hopper kernels for the built-ins);
+* ``flashjax_builtin``: the built-in option, on the same backend;
+* ``flashjax_mosaic``, ``flashjax_mosaic_builtin``: the same two on the Hopper kernels
+  (``backend="mosaic"``), the block mask built at their 64 x 64 tiles. A mod the Hopper
+  kernels cannot evaluate (a closed-over array read per position: the document ids, the
+  T5 table) is recorded "unsupported" with the reason; sinks and MLA have no Hopper row;
 * ``torch_flex``: PyTorch's ``flex_attention`` under ``torch.compile(dynamic=False)``
   (default mode and kernel options) with ``create_block_mask`` built outside the timed
   call, in a subprocess (benchmarks/torch_flex.py) that runs before JAX claims the GPU.
@@ -97,7 +100,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SEQLENS = (4096, 8192, 16384)
 BLOCK_MASK_SEQ = 32768
 MODES = benchmark.MODES
-IMPLS = ("flashjax", "flashjax_builtin", "torch_flex")
+IMPLS = ("flashjax", "flashjax_builtin", "flashjax_mosaic", "flashjax_mosaic_builtin", "torch_flex")
+# Each flashjax backend's pair of implementations: (its mod, its built-in).
+BACKEND_IMPLS = {"triton": ("flashjax", "flashjax_builtin"), "mosaic": ("flashjax_mosaic", "flashjax_mosaic_builtin")}
+# The block mask's tiles per backend (its kernels' finest).
+BLOCK_MASK_TILES = {"triton": 128, "mosaic": 64}
 BUILD_IMPLS = ("block_mask_jit", "block_mask_eager")
 CHECK_HEADS = 2
 EAGER_BUILD_REPS = 5
@@ -301,9 +308,16 @@ def make_cell(case: Case, seq: int, mode: str, impl: str, sizes: Sizes) -> FlexC
                     v_head_dim=dv if dv != dqk else None)
 
 
+def backend_of(impl: str) -> str:
+    """The flashjax backend of a flashjax implementation."""
+    return next(name for name, pair in BACKEND_IMPLS.items() if impl in pair)
+
+
 def runs(case: Case, impl: str) -> bool:
     """Whether the case has the implementation."""
-    return {"flashjax": True, "flashjax_builtin": case.builtin is not None, "torch_flex": case.torch}[impl]
+    return {"flashjax": True, "flashjax_builtin": case.builtin is not None,
+            "flashjax_mosaic": case.baseline == "builtin",
+            "flashjax_mosaic_builtin": case.builtin is not None, "torch_flex": case.torch}[impl]
 
 
 def plan(args) -> list[Row]:
@@ -452,7 +466,8 @@ def attention_fn(case: Case, impl: str, sizes: Sizes, arrays: dict, block_mask):
     """fn((q, learned arrays), k, v) -> out for a flashjax cell; a mask_mod comes in `block_mask`."""
     import flashjax
 
-    form = case.builtin if impl == "flashjax_builtin" else case.mod
+    backend = backend_of(impl)
+    form = case.builtin if impl == BACKEND_IMPLS[backend][1] else case.mod
     fixed = {name: a for name, a in arrays.items() if name not in case.learned}
 
     def options(learned):
@@ -464,7 +479,7 @@ def attention_fn(case: Case, impl: str, sizes: Sizes, arrays: dict, block_mask):
 
     def fn(q_and_learned, k, v):
         q, learned = q_and_learned
-        return flashjax.flash_attention(q, k, v, backend="triton", **options(learned))
+        return flashjax.flash_attention(q, k, v, backend=backend, **options(learned))
 
     return fn, options
 
@@ -478,8 +493,12 @@ class Prepared:
     programs: dict  # cell -> (compiled, temp bytes) or an exception
     expected: dict  # mode -> numpy
     args: tuple  # ((q, learned arrays), k, v, do); (arrays,) for a block-mask row
-    block_mask: object = None
+    block_mask: object = None  # at the Triton tiles (BLOCK_MASK_TILES)
     arrays: dict | None = None
+    block_masks: dict | None = None  # backend -> its block mask
+
+    def block_mask_for(self, impl: str):
+        return None if self.block_masks is None else self.block_masks[backend_of(impl)]
 
 
 def prepare_row(row: Row, sizes: Sizes, inputs, deadline: float) -> Prepared | None:
@@ -494,16 +513,21 @@ def prepare_row(row: Row, sizes: Sizes, inputs, deadline: float) -> Prepared | N
     visible = visible_fraction(case, sizes, first.batch, row.seq, arrays)
     cells = [dataclasses.replace(c, visible=visible) for c in row.cells]
     mod_options = case.mod(arrays, sizes)
-    block_mask = None
+    block_masks = None
     if "mask_mod" in mod_options:
-        block_mask = flashjax.block_mask(mod_options["mask_mod"], first.batch, first.heads, row.seq, row.seq)
+        flashjax_impls = [impl for pair in BACKEND_IMPLS.values() for impl in pair]
+        backends = {backend_of(c.impl) for c in cells if c.impl in flashjax_impls} | ({"triton"} if row.kind == "build" else set())
+        block_masks = {backend: flashjax.block_mask(mod_options["mask_mod"], first.batch, first.heads, row.seq, row.seq,
+                                                    block_q=BLOCK_MASK_TILES[backend], block_k=BLOCK_MASK_TILES[backend])
+                       for backend in backends}
+    block_mask = block_masks and block_masks.get("triton")
     if row.kind == "build":
         return Prepared(row, cells, {}, {}, (arrays,), block_mask)
     learned = {name: arrays[name] for name in case.learned}
     q, k, v, do = inputs
     modes = dict.fromkeys(c.mode for c in cells)
     want = {mode: expected(case, sizes, mode, inputs, arrays) for mode in modes}
-    return Prepared(row, cells, {}, want, ((q, learned), k, v, do), block_mask, arrays)
+    return Prepared(row, cells, {}, want, ((q, learned), k, v, do), block_mask, arrays, block_masks)
 
 
 class BudgetSpent(Exception):
@@ -517,10 +541,10 @@ def compile_program(prepared: Prepared, cell: FlexCell, sizes: Sizes, deadline: 
     if time.perf_counter() > deadline:
         return BudgetSpent("budget spent before it compiled")
     try:
-        fn, options = attention_fn(prepared.row.case, cell.impl, sizes, prepared.arrays, prepared.block_mask)
+        fn, options = attention_fn(prepared.row.case, cell.impl, sizes, prepared.arrays, prepared.block_mask_for(cell.impl))
         (q, learned), k, v, _ = prepared.args
         try:  # the backend's own reasons when it cannot run the cell
-            flashjax.explain(q, k, v, backend="triton", **options(learned))
+            flashjax.explain(q, k, v, backend=backend_of(cell.impl), **options(learned))
         except NotImplementedError as e:
             return Unsupported(benchmark.short_error(e))
         return benchmark.compile_cell(cell, fn, prepared.args)
@@ -537,8 +561,10 @@ def time_row(prepared: Prepared, reps: int) -> list[dict]:
         if cell.impl == "torch_flex":
             continue
         program = prepared.programs[cell]
+        tile = BLOCK_MASK_TILES[backend_of(cell.impl)]
         fields = dict(case=cell.config, visible=cell.visible, v_head_dim=cell.v_head_dim,
-                      note="block mask prebuilt (128 x 128)" if prepared.block_mask is not None and cell.impl == "flashjax" else "")
+                      note=f"block mask prebuilt ({tile} x {tile})" if prepared.block_mask_for(cell.impl) is not None
+                      and cell.impl in ("flashjax", "flashjax_mosaic") else "")
         if isinstance(program, Exception):
             status = ("unsupported" if isinstance(program, Unsupported) else "skipped" if isinstance(program, BudgetSpent)
                       else "oom" if benchmark.is_oom(program) else "error")
@@ -718,22 +744,41 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
                     line[f"{impl}_share"] = e and fwd and e["median_ms"] / fwd["median_ms"]
                 out.append(line)
                 continue
-            base_key = key("flashjax_builtin") if case.baseline == "builtin" else plain(row.seq, mode)
-            mine, base, torch = ok(key("flashjax")), ok(base_key), ok(key("torch_flex"))
-            line = dict(case=case.name, seq=row.seq, mode=mode, kind=case.baseline,
-                        visible=next((e.get("visible") for e in (mine, base, torch) if e), None),
-                        flashjax_ms=mine and mine["median_ms"], flashjax_tflops=mine and mine["tflops"],
-                        baseline_ms=base and base["median_ms"], baseline_tflops=base and base["tflops"],
-                        torch_ms=torch and torch["median_ms"],
-                        statuses={impl: (cells.get(k) or {}).get("status") for impl, k in
-                                  (("flashjax", key("flashjax")), ("baseline", base_key), ("torch_flex", key("torch_flex")))})
-            if case.baseline == "builtin":
-                line["mod_over_builtin"] = mine and base and mine["median_ms"] / base["median_ms"]
-                line["torch_over_flashjax"] = mine and torch and torch["median_ms"] / mine["median_ms"]
-            else:
-                line["tflops_vs_plain"] = mine and base and mine["tflops"] / base["tflops"]
-            out.append(line)
+            for backend, (mod_impl, builtin_impl) in BACKEND_IMPLS.items():
+                if not any(c.impl in (mod_impl, builtin_impl) and c.mode == mode for c in row.cells):
+                    continue
+                base_key = key(builtin_impl) if case.baseline == "builtin" else plain(row.seq, mode)
+                mine, base, torch = ok(key(mod_impl)), ok(base_key), ok(key("torch_flex"))
+                line = dict(case=case.name, seq=row.seq, mode=mode, kind=case.baseline, backend=backend,
+                            visible=next((e.get("visible") for e in (mine, base, torch) if e), None),
+                            flashjax_ms=mine and mine["median_ms"], flashjax_tflops=mine and mine["tflops"],
+                            baseline_ms=base and base["median_ms"], baseline_tflops=base and base["tflops"],
+                            torch_ms=torch and torch["median_ms"],
+                            statuses={impl: (cells.get(k) or {}).get("status") for impl, k in
+                                      (("flashjax", key(mod_impl)), ("baseline", base_key), ("torch_flex", key("torch_flex")))})
+                if not any(cells.get(k) for k in (key(mod_impl), base_key)):
+                    continue  # neither was run
+                if case.baseline == "builtin":
+                    line["mod_over_builtin"] = mine and base and mine["median_ms"] / base["median_ms"]
+                    line["torch_over_flashjax"] = mine and torch and torch["median_ms"] / mine["median_ms"]
+                else:
+                    line["tflops_vs_plain"] = mine and base and mine["tflops"] / base["tflops"]
+                out.append(line)
     return out
+
+
+def stored_rows(cells: dict, args) -> list[Row]:
+    """The rows of every case at every T the results file holds, with every implementation: what
+    the summary covers after a run merged into earlier ones (lines without a measurement of
+    flashjax or of its baseline are left out by `summarise`'s callers)."""
+    build_seqs = sorted({e["seq"] for e in cells.values() if e.get("mode") == "build"})
+    seqs = sorted({e["seq"] for e in cells.values() if e.get("mode") in MODES} - set(build_seqs))
+    full = argparse.Namespace(**{**vars(args), "cases": ",".join(CASES), "impls": ",".join(IMPLS),
+                                 "seqlens": ",".join(map(str, seqs)) or ",".join(map(str, SEQLENS)),
+                                 "modes": ",".join(MODES)})
+    if build_seqs:
+        full.block_mask_seq = str(build_seqs[-1])
+    return plan(full)
 
 
 def _fmt(x, digits=3) -> str:
@@ -768,8 +813,9 @@ def report(summary: list[dict]) -> str:
     parts = []
     if mods:
         parts.append(_table(
-            ["case", "T", "mode", "flashjax ms", "built-in ms", "mod/built-in", "torch ms", "torch/flashjax", "TFLOP/s", "visible"],
-            [[s["case"], str(s["seq"]), s["mode"], ms(s, "flashjax_ms", "flashjax"),
+            ["case", "T", "mode", "backend", "flashjax ms", "built-in ms", "mod/built-in", "torch ms", "torch/flashjax",
+             "TFLOP/s", "visible"],
+            [[s["case"], str(s["seq"]), s["mode"], s.get("backend", "triton"), ms(s, "flashjax_ms", "flashjax"),
               ms(s, "baseline_ms", "baseline") if CASES[s["case"]].builtin else "none",
               _fmt(s["mod_over_builtin"], 2), ms(s, "torch_ms", "torch_flex"), _fmt(s["torch_over_flashjax"], 2),
               _tflops(s["flashjax_tflops"]), _fmt(s["visible"], 3)] for s in mods],
@@ -806,7 +852,8 @@ def bars(summary: list[dict]) -> str:
     for title, field, applies, meets in checks:
         measured = [s for s in summary if applies(s) and s.get(field) is not None]
         misses = [s for s in measured if not meets(s[field])]
-        detail = "; misses: " + ", ".join(f"{s['case']} T{s['seq']} {s['mode']} {s[field]:.2f}" for s in misses) if misses else ""
+        detail = "; misses: " + ", ".join(f"{s['case']} T{s['seq']} {s['mode']} {s.get('backend', 'triton')} {s[field]:.2f}"
+                                          for s in misses) if misses else ""
         lines.append(f"  {title}: {len(measured) - len(misses)}/{len(measured)} meet it{detail}")
     return "\n".join(lines)
 
@@ -873,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         date=datetime.date.today().isoformat(), **{k: v for k, v in torch_info.items() if v},
         sizes=dataclasses.asdict(sizes),
         protocol=dict(dtype="bfloat16", reps=args.reps, check_rows=benchmark.CHECK_ROWS, check_heads=CHECK_HEADS,
-                      tolerance=benchmark.TOLERANCE, backend="triton",
+                      tolerance=benchmark.TOLERANCE, backend="triton (flashjax, flashjax_builtin), mosaic (flashjax_mosaic*)",
                       flops="4*B*H*T*T*D fwd x visible fraction of pairs, x3.5 fwd+bwd; MLA: per product's head dim"),
     )
     new_entries = []
@@ -901,7 +948,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in entries), file=sys.stderr, flush=True)
 
     run_jax(jax_rows, args, sizes, deadline, on_row)
-    results["summary"] = summarise(results["cells"], rows)
+    results["summary"] = summarise(results["cells"], stored_rows(results["cells"], args))
     benchmark.save_results(path, results)
 
     print(f"\n{device} | jax {jax.__version__} | torch {results.get('torch', '-')} | bf16, H={sizes.heads}, "

@@ -262,6 +262,7 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         platform=platform, compute_capability=capability,
         pair_arrays=tuple((name, tuple(given[name].shape), jnp.dtype(given[name].dtype).name)
                           for name in ("bias", "mask") if given[name] is not None),
+        score_mod=score, mask_mod=masked,
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,

@@ -92,13 +92,15 @@ class Mod:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
-    def tile(self, refs, *args, grad: bool = False):
+    def tile(self, refs, *args, grad: bool = False, inline: bool = False):
         """Evaluates the function on a tile inside a kernel.
 
         Args:
           refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
           args: (score,) batch, head, q_idx, kv_idx; broadcastable arrays or scalars.
           grad: also return d score_mod / d score at each element (score_mod only).
+          inline: evaluate nested calls (jit, custom_jvp) equation by equation, for a
+            kernel language that lowers none of them (Mosaic GPU).
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes).
@@ -106,15 +108,14 @@ class Mod:
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
         if grad:
             jaxpr, own = self._value_and_slope
-            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args)))
-        return _evaluate_tile(self.jaxpr, consts, args)[0]
+            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), inline))
+        return _evaluate_tile(self.jaxpr, consts, args, inline)[0]
 
     @functools.cached_property
-    def pair_read_bytes(self) -> int:
-        """Bytes per (query, key) pair read from the closed-over arrays at an index that depends
-        on both the query and the key (or on the score), as a T5 table at the bucket of
-        kv_idx - q_idx is: the gather of a whole score tile and its int32 index, which the
-        Triton kernels stage through shared memory. 0 when every read depends on one side."""
+    def _read_sides(self) -> dict:
+        """{closed-over array (constvar): the set of sides each of its reads' index depends on},
+        a side being a bit set of the query (1) and the key (2) positions; the score counts as
+        both."""
         q_side, k_side = 1, 2
         first = [q_side | k_side] if self.name == SCORE_MOD else []
         sides = dict(zip(self.jaxpr.invars, first + [0, 0, q_side, k_side]))
@@ -123,10 +124,56 @@ class Mod:
         for eqn in self.jaxpr.eqns:
             variables = [x for x in eqn.invars if isinstance(x, jex_core.Var)]
             side = functools.reduce(operator.or_, (sides.get(x, 0) for x in variables if x not in consts), 0)
-            if side == q_side | k_side:
-                read.update({x: np.dtype(x.aval.dtype).itemsize for x in variables if x in consts})
+            for x in variables:
+                if x in consts:
+                    read.setdefault(x, set()).add(side)
             sides.update({x: side for x in eqn.outvars})
-        return sum(itemsize + 4 for itemsize in read.values())
+        return read
+
+    @functools.cached_property
+    def pair_read_bytes(self) -> int:
+        """Bytes per (query, key) pair read from the closed-over arrays at an index that depends
+        on both the query and the key (or on the score), as a T5 table at the bucket of
+        kv_idx - q_idx is: the gather of a whole score tile and its int32 index, which the
+        Triton kernels stage through shared memory. 0 when every read depends on one side."""
+        return sum(np.dtype(x.aval.dtype).itemsize + 4 for x, sides in self._read_sides.items() if 3 in sides)
+
+    @functools.cached_property
+    def position_reads(self) -> tuple[str, ...]:
+        """The closed-over arrays (as ``dtype[shape]``) read at an index that depends on q_idx,
+        kv_idx or the score: a gather per row, column or score of a tile. Reads at the batch
+        and head alone are one scalar load per tile."""
+        return tuple(f"{np.dtype(x.aval.dtype).name}{list(x.aval.shape)}" for x, sides in self._read_sides.items()
+                     if any(sides))
+
+    def _computations(self):
+        """The equations the program computes with (inside nested calls too), with the derivative
+        program's for a score_mod (what the backward kernels run). Reads of a closed-over array
+        (`dynamic_slice`, `gather`: loads through its ref in a kernel) are left out."""
+        programs = [(self.jaxpr, set(self.jaxpr.constvars))]
+        if self.name == SCORE_MOD:
+            jaxpr = self._value_and_slope[0]
+            programs.append((jaxpr, set(jaxpr.invars[:len(self.const_avals)])))
+        while programs:
+            jaxpr, consts = programs.pop()
+            is_const = lambda x: isinstance(x, jex_core.Var) and x in consts
+            for eqn in jaxpr.eqns:
+                inner = inner_jaxpr(eqn)
+                if inner is not None:
+                    programs.append((inner[0], {x for x, y in zip(inner[0].invars, eqn.invars) if is_const(y)}))
+                elif not (eqn.primitive.name in ("dynamic_slice", "gather") and is_const(eqn.invars[0])):
+                    yield eqn
+
+    @functools.cached_property
+    def primitives(self) -> frozenset:
+        """The names of the primitives the program computes with (`_computations`)."""
+        return frozenset(eqn.primitive.name for eqn in self._computations())
+
+    @functools.cached_property
+    def integer_abs(self) -> bool:
+        """Whether the program takes the absolute value of an integer."""
+        return any(eqn.primitive.name == "abs" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
+                   for eqn in self._computations())
 
     @functools.cached_property
     def _value_and_slope(self):
@@ -262,7 +309,7 @@ def _evaluate(jaxpr, consts, args) -> list:
     return [read(x) for x in jaxpr.outvars]
 
 
-def _evaluate_tile(jaxpr, consts, args) -> list:
+def _evaluate_tile(jaxpr, consts, args, inline: bool = False) -> list:
     """Evaluates a scalar jaxpr on a tile: `args` are scalars or arrays that broadcast against
     each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]); the results have
     the tile's full shape.
@@ -270,7 +317,7 @@ def _evaluate_tile(jaxpr, consts, args) -> list:
     Each equation runs, vmapped, at the broadcast shape of its own operands only, so that a
     value of the rows alone (a row's document id read from a closed-over array) is computed
     and loaded once per row, not once per score: a [bq, bk] gather would stage its indices
-    and values through shared memory.
+    and values through shared memory. `inline`: see `Mod.tile`.
     """
     arrays = [a for a in args if not isinstance(a, _ConstRef) and jnp.ndim(a) > 0]
     rank = max((jnp.ndim(a) for a in arrays), default=0)
@@ -281,14 +328,16 @@ def _evaluate_tile(jaxpr, consts, args) -> list:
         if isinstance(a, _ConstRef) or jnp.ndim(a) == 0:
             inputs.append((a, False))
         else:
-            shape = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
-            inputs.append((lax.broadcast_in_dim(a, shape, tuple(range(rank - jnp.ndim(a), rank))), True))
-    outs = _evaluate_batched(jaxpr, [(c, False) for c in consts], inputs, rank)
+            if jnp.ndim(a) < rank:
+                shape = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
+                a = lax.broadcast_in_dim(a, shape, tuple(range(rank - jnp.ndim(a), rank)))
+            inputs.append((a, True))
+    outs = _evaluate_batched(jaxpr, [(c, False) for c in consts], inputs, rank, inline)
     return [jnp.broadcast_to(v, tile + tuple(jnp.shape(v)[rank:] if batched else jnp.shape(v)))
             if rank else v for v, batched in outs]
 
 
-def _evaluate_batched(jaxpr, consts, args, rank: int) -> list:
+def _evaluate_batched(jaxpr, consts, args, rank: int, inline: bool = False) -> list:
     """`_evaluate` on (value, batched) pairs (see `_evaluate_tile`)."""
     env = {}
 
@@ -300,11 +349,11 @@ def _evaluate_batched(jaxpr, consts, args, rank: int) -> list:
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
-        inner = inner_jaxpr(eqn) if has_ref else None
+        inner = inner_jaxpr(eqn) if has_ref or inline else None
         if inner is not None:
             # A nested call that reads a closed-over array: inline it, keeping the batching.
             jaxpr_, consts_ = inner
-            outs = _evaluate_batched(jaxpr_, [(c, False) for c in consts_], ins, rank)
+            outs = _evaluate_batched(jaxpr_, [(c, False) for c in consts_], ins, rank, inline)
         elif not any(batched for _, batched in ins):
             run = _with_refs if has_ref else _bind
             outs = [(o, False) for o in run(eqn, [v for v, _ in ins])]
@@ -542,9 +591,10 @@ _classify_compiled = jax.jit(classify, static_argnums=(0, 2, 3, 4, 5, 6, 7, 8))
 def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):
     """The block mask at another tiling: (meets, full) bool [Bm, Hm, n_q, n_k].
 
-    Exact for tiles that are powers of two: a tile spanning several blocks meets the mask
-    if any of them does and is full if all of them are; a tile inside a block inherits its
-    class. Tiles past the mask's lengths (padding) meet nothing.
+    Exact for any tile sizes: a tile meets the mask if a block it overlaps does, and is
+    full if all the blocks it overlaps are (blocks past the mask's lengths count as
+    full: they hold only padding, which the kernels mask). A tile inside a block inherits
+    its class; tiles wholly past the mask's lengths (padding) meet nothing.
     """
     meets, full = mask.blocks != EMPTY, mask.blocks == FULL
     for axis, have, want, n in ((2, mask.block_q, block_q, n_q), (3, mask.block_k, block_k, n_k)):
@@ -553,28 +603,20 @@ def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):
 
 
 def _retile(meets, full, axis: int, have: int, want: int, n: int):
-    if want > have:
-        factor = want // have
-        pad = -meets.shape[axis] % factor
-        widths = [(0, 0)] * meets.ndim
-        widths[axis] = (0, pad)
-        # Blocks past the end are neutral: they meet nothing, and do not spoil "full".
-        meets = jnp.pad(meets, widths, constant_values=False)
-        full = jnp.pad(full, widths, constant_values=True)
-        split = meets.shape[:axis] + (meets.shape[axis] // factor, factor) + meets.shape[axis + 1:]
-        meets = jnp.any(meets.reshape(split), axis=axis + 1)
-        full = jnp.all(full.reshape(split), axis=axis + 1)
-    elif want < have:
-        meets = jnp.repeat(meets, have // want, axis=axis)
-        full = jnp.repeat(full, have // want, axis=axis)
+    """`tile_flags` along one axis: n tiles of `want` positions from blocks of `have`."""
     size = meets.shape[axis]
-    if size >= n:
-        index = [slice(None)] * meets.ndim
-        index[axis] = slice(0, n)
-        return meets[tuple(index)], full[tuple(index)]
-    widths = [(0, 0)] * meets.ndim
-    widths[axis] = (0, n - size)
-    return jnp.pad(meets, widths), jnp.pad(full, widths)
+    starts = np.arange(n) * want
+    first = np.minimum(starts // have, size)  # the blocks [first, last) overlap tile i
+    last = np.minimum((starts + want - 1) // have + 1, size)
+    # Counts over block prefixes: a tile's blocks meet if any does, are full if none is not.
+    prefix = lambda x: jnp.concatenate([jnp.zeros_like(lax.slice_in_dim(x, 0, 1, axis=axis)),
+                                        jnp.cumsum(x, axis=axis)], axis=axis)
+    met, not_full = prefix(meets.astype(jnp.int32)), prefix((~full).astype(jnp.int32))
+    span = lambda c: jnp.take(c, last, axis=axis) - jnp.take(c, first, axis=axis)
+    shape = [1] * meets.ndim
+    shape[axis] = n
+    inside = jnp.asarray(first < last).reshape(shape)
+    return (span(met) > 0) & inside, (span(not_full) == 0) & inside
 
 
 def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: int):

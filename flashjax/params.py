@@ -71,6 +71,8 @@ class Call:
       compute_capability: of the first GPU ("9.0" on Hopper), "" elsewhere.
       pair_arrays: (name, 4-D shape, dtype name) of each [B, H, Tq, Tk] array given (bias,
         mask), with size-1 broadcast dims.
+      score_mod, mask_mod: the user functions as traced `flex.Mod`s (what a backend's kernels
+        must evaluate), or None.
     """
 
     batch: int
@@ -91,6 +93,8 @@ class Call:
     platform: str = "cpu"
     compute_capability: str = ""
     pair_arrays: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    score_mod: Any = None
+    mask_mod: Any = None
 
     @property
     def scores(self) -> int:

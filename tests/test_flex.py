@@ -61,23 +61,29 @@ def vjp(attention, x, arrays: dict, options: Callable, dlse):
     return Result(o, lse, dict(dq=dq, dk=dk, dv=dv, **darrays))
 
 
-def run_both(x, options, arrays=None, *, config=SMALL_TILES, **kernel_kwargs) -> tuple[Result, Result]:
+def run_both(x, options, arrays=None, *, config=SMALL_TILES, backend="triton", **kernel_kwargs) -> tuple[Result, Result]:
     """(kernel, reference) results; the reference in float32 on upcast inputs. The lse
     cotangent is zeroed on rows whose reference lse is -inf (the lse is constant there)."""
     arrays = arrays or {}
     up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
 
+    def reference_options(arrays):  # the reference takes a block mask's mask_mod
+        kwargs = options(arrays)
+        if "block_mask" in kwargs:
+            kwargs["mask_mod"] = kwargs.pop("block_mask").mask_mod
+        return kwargs
+
     @jax.jit
     def reference_run(x, arrays):
-        _, lse = reference.attention(x["q"], x["k"], x["v"], return_lse=True, **options(arrays))
+        _, lse = reference.attention(x["q"], x["k"], x["v"], return_lse=True, **reference_options(arrays))
         dlse = jnp.where(lse == -jnp.inf, 0.0, x["dlse"])
-        return vjp(reference.attention, x, arrays, options, dlse), dlse
+        return vjp(reference.attention, x, arrays, reference_options, dlse), dlse
 
     want, dlse = reference_run(up(x), up(arrays))
 
     @jax.jit
     def kernel_run(x, arrays, dlse):
-        kernel = lambda *a, **kw: flashjax.flash_attention(*a, backend="triton", config=config, **kernel_kwargs, **kw)
+        kernel = lambda *a, **kw: flashjax.flash_attention(*a, backend=backend, config=config, **kernel_kwargs, **kw)
         return vjp(kernel, x, arrays, options, dlse)
 
     return kernel_run(x, arrays, dlse), want
@@ -738,10 +744,14 @@ def test_xla_backend_differentiates_closed_over_arrays(rng):
 
 # ---- backend choice ----------------------------------------------------------------------------------
 FLEX_OPTIONS = [
-    pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), ("score_mod",), id="score_mod"),
-    pytest.param(dict(mask_mod=mods.causal()), ("mask_mod",), id="mask_mod"),
-    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), ("mask_mod", "block_mask"),
-                 id="block_mask"),
+    pytest.param(dict(score_mod=mods.t5_relative_bias(jnp.zeros((2, 32)))),
+                 ("score_mod reads the closed-over float32[2, 32] at an index that depends on q_idx",), id="t5-table"),
+    pytest.param(dict(mask_mod=mods.document_window(jnp.zeros((1, 64), jnp.int32), 16)),
+                 ("mask_mod reads the closed-over int32[1, 64]",), id="document-ids"),
+    pytest.param(dict(score_mod=lambda s, b, h, i, j: s + jnp.floor(i / 8.0)), ("score_mod uses floor",),
+                 id="unlowered-primitive"),
+    pytest.param(dict(mask_mod=lambda b, h, i, j: jnp.abs(i - j) <= 8), ("mask_mod takes the abs of an integer",),
+                 id="integer-abs-mask"),
     pytest.param(dict(sinks=jnp.zeros((2,))), ("sinks",), id="sinks"),
     pytest.param(dict(v_head_dim=32), ("v head_dim",), id="mla-dims"),
 ]
@@ -749,8 +759,9 @@ FLEX_OPTIONS = [
 
 @pytest.mark.parametrize("options, reasons", FLEX_OPTIONS)
 def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
-    """On an H100 the Hopper kernels decline mods, block masks, sinks and MLA dims: auto runs Triton
-    forward and backward, and explain names the option."""
+    """On an H100 the Hopper kernels decline sinks, MLA dims, and mods that read a closed-over array
+    per position (a gather) or use a primitive Mosaic GPU does not lower: auto runs Triton forward
+    and backward, and explain names the reason."""
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
     options = dict(options)
@@ -761,6 +772,31 @@ def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
     assert name == "mosaic"
     for reason in reasons:
         assert any(reason in r for r in why), (reason, why)
+
+
+HOPPER_MODS = [
+    pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), True, id="score_mod"),
+    pytest.param(dict(score_mod=mods.alibi(jnp.ones((2,)))), True, id="per-head-read"),
+    pytest.param(dict(mask_mod=mods.prefix_lm(jnp.array([3]))), False, id="per-batch-read"),
+    pytest.param(dict(mask_mod=mods.chunked(16)), False, id="mask_mod"),
+    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), False, id="block_mask"),
+]
+
+
+@pytest.mark.parametrize("options, auto", HOPPER_MODS)
+def test_hopper_takes_mods(monkeypatch, options, auto):
+    """Mods that read closed-over arrays at the batch row or head only (one scalar load per tile)
+    run on the Hopper kernels, forward and backward: a score_mod under auto, a mask_mod when asked
+    for (auto keeps mask_mods on Triton, and says why)."""
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    choice = flashjax.explain(q, q, q, backend="mosaic", **options)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+    choice = flashjax.explain(q, q, q, **options)
+    if auto:
+        assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+    else:
+        assert choice.backend == "triton" and any("auto keeps mask_mods" in r for r in dict(choice.passed)["mosaic"])
 
 
 def test_sharded_attention_refuses_flex_options():
@@ -816,3 +852,71 @@ def test_vmap_over_examples_and_tables(rng):
     got = jax.vmap(lambda q, t: attend(kernel, q, t))(q, tables)
     want = jax.vmap(lambda q, t: attend(reference.attention, q, t))(q, tables)
     check_close(got, want, jnp.float32, "vmapped")
+
+
+# ---- the Hopper kernels ----------------------------------------------------------------------------
+HOPPER = backends.describe_device() == ("gpu", "9.0")
+requires_hopper = pytest.mark.skipif(
+    not HOPPER, reason="the Hopper kernels (Mosaic GPU) need an sm90 GPU; JAX cannot run them in interpret mode")
+
+
+def _slopes(rng, s):
+    return dict(slopes=jnp.asarray(rng.uniform(0.01, 0.2, s.heads), jnp.float32))
+
+
+def _empty_rows_score_mod(score, b, h, i, j):
+    return jnp.where(i % 7 == 3, -jnp.inf, score)
+
+
+HOPPER_CROSS = Shape(batch=2, seq_q=300, seq_k=517, heads=4, kv_heads=2, head_dim=64)  # GQA, odd lengths
+HOPPER_LONG_Q = Shape(batch=1, seq_q=700, seq_k=333, heads=4, kv_heads=1, head_dim=128)  # MQA, q_len > kv_len
+HOPPER_SELF = Shape(batch=2, seq_q=1000, seq_k=1000, heads=2, kv_heads=2, head_dim=128)
+HOPPER_WIDTHS = jnp.array([40, 300, 7, 1000], jnp.int32)
+HOPPER_PREFIX = jnp.array([30, 0], jnp.int32)
+HOPPER_CASES = {
+    # score_mods (a learned per-head slope: its gradient comes from the XLA pullback)
+    "alibi-learned-causal": Case(HOPPER_CROSS, _slopes, lambda a, s: dict(
+        score_mod=mods.alibi(a["slopes"], offset=s.seq_k - s.seq_q), causal=True)),
+    "alibi-learned-long-q-causal": Case(HOPPER_LONG_Q, _slopes, lambda a, s: dict(
+        score_mod=mods.alibi(a["slopes"], offset=s.seq_k - s.seq_q), causal=True)),
+    "tanh-softcap-large-logits": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(
+        score_mod=mods.tanh_softcap(2.0)), q_scale=8.0),
+    "tanh-mod-with-softcap-window": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        score_mod=mods.tanh_softcap(5.0), softcap=3.0, window=(100, 50))),
+    # mask_mods (the block mask narrows the tile ranges; boundary tiles evaluate mask_mod;
+    # backend="mosaic": auto keeps mask_mods on Triton)
+    "prefix-lm": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.prefix_lm(jnp.array([20, 250])))),
+    "chunked": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.chunked(96))),
+    "chunked-given-block-mask": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(
+        block_mask=flashjax.block_mask(mods.chunked(96), 1, 1, s.seq_q, s.seq_k))),
+    "causal-mod-long-q": Case(HOPPER_LONG_Q, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=mods.causal(offset=s.seq_k - s.seq_q))),
+    "per-head-band": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=lambda b, h, i, j: (i - j <= HOPPER_WIDTHS[h]) & (j - i <= HOPPER_WIDTHS[h]))),
+    # rows without keys: all of batch row 1 (mask_mod), every 7th row (score_mod -inf)
+    "rows-without-keys": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=lambda b, h, i, j: j < HOPPER_PREFIX[b], score_mod=_empty_rows_score_mod)),
+    # with the built-in options
+    "composed": Case(HOPPER_CROSS, _slopes, lambda a, s: dict(
+        score_mod=mods.alibi(a["slopes"]), mask_mod=mods.chunked(128), causal=True,
+        segment_ids=(_doc_ids(s, ((100, 150, 50), (300,))), _doc_ids(Shape(seq_q=s.seq_k), ((200, 250, 67), (517,)))),
+        kv_lengths=jnp.array([480, 517]), dropout_rate=0.1, dropout_rng=jax.random.key(5))),
+}
+
+
+# float16 on the cases whose arithmetic differs from bfloat16's (a score_mod's exp/tanh, a learned slope).
+HOPPER_F16 = ("alibi-learned-causal", "tanh-softcap-large-logits", "tanh-mod-with-softcap-window", "chunked")
+
+
+@requires_hopper
+@pytest.mark.parametrize("case, dtype", [
+    pytest.param(case, dtype, id=f"{name}-{dtype_name}") for name, case in HOPPER_CASES.items()
+    for dtype, dtype_name in ((jnp.bfloat16, "bf16"), (jnp.float16, "f16")) if dtype_name == "bf16" or name in HOPPER_F16
+])
+def test_mods_on_hopper(case, dtype, rng):
+    """score_mod and mask_mod in the Hopper kernels (forward, dK/dV, dQ): o, lse and the gradients
+    of q, k, v and of a learned closed-over slope, against the reference."""
+    s = case.shape
+    x = draw(rng, s, dtype, case.q_scale)
+    got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")
+    assert_matches(got, want, dtype)

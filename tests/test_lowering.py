@@ -392,3 +392,47 @@ def test_block_mask_kernel_lowers_to_triton_for_sm90(fake_h100, block):
     text = build.trace(*consts).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON_CALL) == 1 and "flashjax_block_mask" in text
     assert not [s for s in tensor_shapes(text) if s.count(SEQ_Q) >= 2], "a [q_len, kv_len] tensor outside the kernel"
+
+
+MOSAIC_FLEX_CASES = {
+    # score_mod reading a per-head slope (learned: its gradient runs in XLA) with a causal mask_mod
+    "alibi-mod-causal-mask-mod": lambda slopes: dict(
+        score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(jnp.float32),
+        mask_mod=lambda b, h, i, j: j <= i + SEQ_K - SEQ_Q),
+    # a tanh softcap as a score_mod beside the built-in causal mask and softcap
+    "tanh-mod-softcap-causal": lambda slopes: dict(score_mod=lambda s, b, h, i, j: 20.0 * jnp.tanh(s / 20.0),
+                                                   causal=True, softcap=30.0),
+    # chunks (an integer floor division) and a per-batch prefix (a scalar read at the batch row)
+    "chunked-prefix-mask-mod": lambda slopes: dict(
+        mask_mod=lambda b, h, i, j: ((i // 128 == j // 128) & (j <= i)) | (j < jnp.array([5, 300])[b])),
+    # a per-head band: the block mask differs per head (the ranges take every head's tiles)
+    "per-head-band-mask-mod": lambda slopes: dict(
+        mask_mod=lambda b, h, i, j: (i - j <= jnp.array([64, 128, 256, 4096])[h]) & (j - i <= 64), window=(500, 500)),
+}
+
+
+@pytest.mark.parametrize("case", MOSAIC_FLEX_CASES)
+def test_flex_lowers_to_mosaic_for_sm90(on_hopper, case):
+    """score_mod and mask_mod go through the Hopper kernels' scoring path and lower for sm_90:
+    the forward, dK/dV and dQ kernels, and outside them (the block mask, a learned slope's
+    gradient over query chunks) no score-sized tensor."""
+    import flashjax
+
+    dtype = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((2, SEQ_Q, 4, 128), dtype)
+    kv = jax.ShapeDtypeStruct((2, SEQ_K, 2, 128), dtype)
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    options = MOSAIC_FLEX_CASES[case]
+    assert flashjax.explain(q, kv, kv, backend="mosaic", **options(jnp.ones((4,)))).backward_backend == "mosaic"
+
+    def loss(q, k, v, slopes):
+        o, lse = flashjax.flash_attention(q, k, v, return_lse=True, backend="mosaic", **options(slopes))
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    text = grad.trace(q, kv, kv, slopes).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(MOSAIC_CALL) == 3, text.count(MOSAIC_CALL)
+    assert set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+    q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
+    k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
+    assert not score_sized(tensor_shapes(text), q_lens, k_lens)

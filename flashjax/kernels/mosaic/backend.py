@@ -9,8 +9,9 @@ keys, and padded query rows are dropped.
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
 a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), an additive bias
 and a boolean mask (each [B or 1, H or 1, Tq, Tk]; the mask is folded into the bias as
--inf), dropout (the Triton kernels' keep bits), GQA/MQA, any sequence lengths, on an sm90
-GPU. `supports` names everything else.
+-inf), dropout (the Triton kernels' keep bits), a score_mod and a mask_mod (with a block
+mask narrowing the tile ranges) that read their closed-over arrays at the batch row and
+head only, GQA/MQA, any sequence lengths, on an sm90 GPU. `supports` names everything else.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 
 import jax.numpy as jnp
 
-from flashjax import backends, masks
+from flashjax import backends, flex, masks
 from flashjax.kernels import common
 from flashjax.kernels.triton import backend as triton_backend
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, decode as mosaic_decode, fwd as mosaic_fwd
@@ -31,7 +32,8 @@ from flashjax.params import AttentionParams, Call, Extras
 
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
-OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout", "bias", "mask")
+OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout", "bias", "mask",
+           "score_mod", "mask_mod", "block_mask")
 # The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
 # a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
 # 255 limit.
@@ -45,7 +47,49 @@ def supports(call: Call) -> list[str]:
     if call.v_head_dim is not None:
         reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
-    return reasons + _pair_array_reasons(call)
+    return reasons + _pair_array_reasons(call) + _mod_reasons(call)
+
+
+def _lowered_primitives() -> frozenset:
+    """The primitives Pallas' Mosaic GPU lowering has a rule for (on warpgroup arrays)."""
+    from jax._src.pallas.mosaic_gpu import lowering
+
+    rules = lowering.mosaic_lowering_rules[(lowering.mgpu.LoweringSemantics.Lane, lowering.gpu_core.PrimitiveSemantics.Warpgroup)]
+    return frozenset(primitive.name for primitive in rules)
+
+
+def _mod_reasons(call: Call) -> list[str]:
+    """Why the kernels cannot evaluate the call's score_mod / mask_mod on a wgmma score tile:
+    a closed-over array read at a position-dependent index (a gather per row, column or
+    score, which Mosaic GPU has no instruction for; reads at the batch row and head are one
+    scalar load per tile), or a primitive Mosaic GPU does not lower."""
+    reasons = []
+    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+        if mod is None:
+            continue
+        if mod.position_reads:
+            reasons.append(f"{name} reads the closed-over {' and '.join(mod.position_reads)} at an index that depends on "
+                           "q_idx, kv_idx or the score (the Hopper kernels read closed-over arrays at the batch and "
+                           "head only; the Triton kernels gather)")
+        missing = sorted(mod.primitives - _lowered_primitives())
+        if missing:
+            reasons.append(f"{name} uses {', '.join(missing)}, which Mosaic GPU does not lower")
+    if call.mask_mod is not None and call.mask_mod.integer_abs:
+        # Measured on an H100 (benchmarks/results/mosaic-notes.md): a band |q - k| <= w written
+        # with an integer abs gave wrong dQ/dK/dV (the forward was right); the same band as
+        # two comparisons, or with a float abs, was right.
+        reasons.append("mask_mod takes the abs of an integer (wrong gradients on the Hopper kernels, cause not "
+                       "found; write |x| <= w as (x <= w) & (-x <= w))")
+    return reasons
+
+
+def declines(call: Call) -> list[str]:
+    """`auto` keeps mask_mods on the Triton kernels: one pattern gave wrong gradients on the
+    Hopper kernels (`_mod_reasons`) and its cause is not found; ``backend="mosaic"`` runs them."""
+    if call.mask_mod is not None:
+        return ["mask_mod (auto keeps mask_mods on the Triton kernels until a wrong-gradient case on the Hopper "
+                "kernels is understood; backend='mosaic' runs them)"]
+    return []
 
 
 def _pair_array_reasons(call: Call) -> list[str]:
@@ -86,8 +130,9 @@ def default_config(call: Call) -> MosaicConfig:
 
 
 def _has_ranges(extras: Extras) -> bool:
-    """Lengths, segment ids or a mask shared by the heads: the kernels take per-tile ranges."""
-    return (any(a is not None for a in (extras.q_lengths, extras.kv_lengths, extras.q_segment_ids))
+    """Lengths, segment ids, a block mask or a mask shared by the heads: the kernels take
+    per-tile ranges."""
+    return (any(a is not None for a in (extras.q_lengths, extras.kv_lengths, extras.q_segment_ids, extras.block_mask))
             or _mask_skips_tiles(extras))
 
 
@@ -109,13 +154,33 @@ def _mask_tile_flags(mask, block_q: int, block_k: int, q_len: int, k_len: int):
     return meets, full
 
 
+def _block_flags(extras: Extras, block_q: int, block_k: int, q_len: int, k_len: int):
+    """(meets, full) bool [B or 1, 1, q_len / block_q, k_len / block_k] of the tiles that the
+    mask shared by the heads and the block mask leave non-empty / entirely visible, or None
+    without either. The ranges are per batch row, so a block mask that differs per head
+    counts a tile as non-empty where any head's is, and full where every head's is."""
+    flags = []
+    if _mask_skips_tiles(extras):
+        flags.append(_mask_tile_flags(extras.mask, block_q, block_k, q_len, k_len))
+    if extras.block_mask is not None:
+        meets, full = flex.tile_flags(extras.block_mask, block_q, block_k, q_len // block_q, k_len // block_k)
+        flags.append((meets.any(axis=1, keepdims=True), full.all(axis=1, keepdims=True)))
+    if not flags:
+        return None
+    meets, full = flags[0]
+    for other_meets, other_full in flags[1:]:
+        meets, full = meets & other_meets, full & other_full
+    return meets, full
+
+
 def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
             stages: int) -> Tiling:
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
                   scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
                   ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None,
                   dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
-                  bias=extras.bias is not None or extras.mask is not None)
+                  bias=extras.bias is not None or extras.mask is not None,
+                  score_mod=params.score_mod, mask_mod=params.mask_mod)
 
 
 def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
@@ -139,8 +204,9 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
     slopes, the segment ids (`common.pad_segment_ids`), the lengths and segments folded into
     per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
-    the dK/dV kernel, by key tile (narrowed to the tiles a mask shared by the heads leaves
-    non-empty), and the bias with the mask (`_kernel_bias`)."""
+    the dK/dV kernel, by key tile (narrowed to the tiles a mask shared by the heads and the
+    block mask leave non-empty, `_block_flags`), the bias with the mask (`_kernel_bias`),
+    and the arrays score_mod and mask_mod close over."""
     q_seg = kv_seg = ranges = None
     if t.segments:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
@@ -150,12 +216,28 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=t.block_q, block_k=t.block_kv, padded_q=q_len, padded_k=k_len,
             q_lengths=extras.q_lengths, kv_lengths=extras.kv_lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
             by_key_block=by_key_block,
-            # Tiles the mask leaves empty are never loaded; those it leaves full are unmasked.
-            blocks=_mask_tile_flags(extras.mask, t.block_q, t.block_kv, q_len, k_len) if _mask_skips_tiles(extras) else None,
+            # Tiles the masks leave empty are never loaded; those they leave full are unmasked.
+            blocks=_block_flags(extras, t.block_q, t.block_kv, q_len, k_len),
         )
     return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                           bias=_kernel_bias(extras, dtype, q_len, k_len),
-                          dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None)
+                          dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
+                          score_consts=extras.score_consts if t.score_mod is not None else None,
+                          mask_consts=extras.mask_consts if t.mask_mod is not None else None)
+
+
+def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> Extras:
+    """The registry's hook before the custom_vjp: a mask_mod's block mask, built once for the
+    forward and the backward at the finest of the kernels' tiles (each kernel re-tiles it
+    exactly, `flex.tile_flags`): one evaluation of mask_mod per tile pair. A direct kernel
+    call builds it in `forward` / `backward`."""
+    if params.mask_mod is None or extras.block_mask is not None:
+        return extras
+    block_q = min(config.block_q, config.bwd_block_q)
+    block_k = min(config.block_kv, config.bwd_block_kv, config.dq_block_kv)
+    blocks = flex.classify(params.mask_mod, extras.mask_consts, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                           block_q, block_k)
+    return extras._replace(block_mask=flex.BlockMask(blocks, None, q.shape[1], k.shape[1], block_q, block_k))
 
 
 def _drop_padded_rows(o, lse, q_lengths):
@@ -168,17 +250,17 @@ def _drop_padded_rows(o, lse, q_lengths):
 
 
 def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) -> str:
-    """The config's schedule; "auto" with a bias is "pingpong": the overlapped loop keeps
-    the next P V product's accumulator in registers beside the score tile, with no room
-    left for the bias tile."""
-    if config.fwd_schedule == "auto" and t.bias:
+    """The config's schedule; "auto" with a bias or a score_mod is "pingpong": the overlapped
+    loop keeps the next P V product's accumulator in registers beside the score tile, with
+    no room left for the bias tile or score_mod's position tiles."""
+    if config.fwd_schedule == "auto" and (t.bias or t.score_mod is not None):
         return "pingpong"
     return config.forward_schedule(params.causal)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
-    # `supports` lets through the ALiBi slopes, the lengths, the segment ids and the dropout seed.
+    extras = prepare(q, k, v, extras, params, config)
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
@@ -199,10 +281,12 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, Extras(bias=dbias)) given the forward's o and lse and the cotangents of
-    both (the ALiBi slopes get no gradient). dbias (float32, in the bias's broadcast shape)
-    comes from the Triton backend's dbias kernel, a separate kernel that XLA drops when the
-    bias gradient is not used."""
+    """Returns (dq, dk, dv, Extras(bias=dbias, score_consts=...)) given the forward's o and lse and
+    the cotangents of both (the ALiBi slopes get no gradient). dbias (float32, in the bias's
+    broadcast shape) comes from the Triton backend's dbias kernel, and the gradients of the
+    float arrays score_mod closes over from its XLA computation (`score_consts_grad`):
+    separate computations that XLA drops when those gradients are not used."""
+    extras = prepare(q, k, v, extras, params, config)
     seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
     dim = padded_head_dim(head_dim)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
@@ -242,10 +326,12 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
                            _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype))
         dq = dq[:, :seq_q, :, :head_dim]
-    dbias = None
+    dbias = score_consts = None
     if extras.bias is not None:
         dbias = triton_backend.bias_gradient(q, k, v, o, lse, do, dlse, extras, params)
-    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras(bias=dbias)
+    if extras.score_consts is not None:
+        score_consts = triton_backend.score_consts_grad(q, k, v, do, lse, delta[:, :, :seq_q], extras, params)
+    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras(bias=dbias, score_consts=score_consts)
 
 
 BACKEND = backends.Backend(
@@ -254,10 +340,12 @@ BACKEND = backends.Backend(
     config_type=MosaicConfig,
     supports=supports,
     supports_backward=supports_backward,
+    declines=declines,
     default_config=default_config,
     forward=forward,
     backward=backward,
     # Split-KV decoding on the forward kernel (kernels/mosaic/decode.py), for large caches.
     decode=backends.Decoder(supports=mosaic_decode.supports, run=functools.partial(mosaic_decode.decode, forward=forward),
                             declines=mosaic_decode.declines),
+    prepare=prepare,
 )

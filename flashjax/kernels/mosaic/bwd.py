@@ -58,7 +58,7 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
 
 
 def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
-               kv_seg=None, stream=None, bias_t=None):
+               kv_seg=None, stream=None, bias_t=None, mod=None):
     """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
     diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
     With dropout (`stream`, the query head's dropout stream) dV takes the dropped weights
@@ -67,17 +67,18 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
     query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
     (with ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
-    tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]).
+    tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
+    `mod` the query head's `common.ModInputs` (with score_mod or mask_mod).
     Returns dv and dS^T, float32 [block_kv, block_q]."""
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dtype = q_smem.dtype
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-    s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=None if slope is None else i * block_q,
-                                   k_start=k_start, transposed=True, bias=bias_t)
+    s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=i * block_q, k_start=k_start, transposed=True,
+                                   bias=bias_t, mod=mod, grad=True)
     if masked:
         s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length, q_seg=q_seg,
-                               kv_seg=kv_seg)
+                               kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
     lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
@@ -95,14 +96,14 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     dp_t = common.drop(dp_t, t, keep_t)
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-    # Through the softcap: d logits / d s (the scale enters dK and dQ once, at the end).
-    return dv, ds_t if dlogits_t is None else ds_t * dlogits_t
+    # Through the softcap and score_mod: d logits / d s (the scale enters dK and dQ once, at the end).
+    return dv, common.logit_grad(ds_t, dlogits_t, t)
 
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
     """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
     `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...], the
-    segment ids and the bias [Bb, Hb, Tqp, Tkp]."""
+    segment ids, the bias [Bb, Hb, Tqp, Tkp] and the arrays the user functions close over."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
@@ -151,7 +152,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
             kv_length = opt.kv_length(b, k_block)
 
-            def step(s, i, carry, masked: bool, slope, stream):
+            def step(s, i, carry, masked: bool, slope, stream, mod):
                 dk, dv = carry
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
@@ -161,7 +162,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, wg,
                                                                                      block_kv)
                 dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
-                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t)
+                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t,
+                                      mod=mod)
 
                 def dk_(acc_ref):
                     plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -183,8 +185,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 base = g * per_head - ring_lo  # ring step of query tile i is base + i
                 slope = None if opt.slopes is None else opt.slopes[hk * group + g]
                 stream = None if opt.dropout_seed is None else opt.dropout_stream(t, b, hk * group + g, heads)
+                mod = opt.mod_inputs(b, hk * group + g)
                 lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
-                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope, stream), carry,
+                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope, stream, mod), carry,
                                      t.q_boundaries(k_len))
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
@@ -260,6 +263,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         h = lax.axis_index("heads")
         slope = None if opt.slopes is None else opt.slopes[h]
         stream = opt.dropout_stream(t, b, h, heads)
+        mod = opt.mod_inputs(b, h)
 
         def kv_tiles(q_block):
             return opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
@@ -301,11 +305,11 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, slot, wg, block_q)
-                s, dlogits = common.logits(s, t, slope=slope, q_start=q_start,
-                                           k_start=None if slope is None else j * block_kv, bias=bias)
+                s, dlogits = common.logits(s, t, slope=slope, q_start=q_start, k_start=j * block_kv, bias=bias, mod=mod,
+                                           grad=True)
                 if masked:
                     s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
-                                         kv_seg=kv_seg)
+                                         kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -314,9 +318,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 plgpu.barrier_arrive(v_free.at[slot])
                 if stream is not None:
                     dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
-                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-                if dlogits is not None:
-                    ds = ds * dlogits
+                ds = common.logit_grad(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])), dlogits, t)
 
                 def dq_(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])  # dQ += dS K
@@ -381,9 +383,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
 def fused_dq_takes(t: Tiling) -> bool:
     """Whether `dkv_dq` runs tiling `t`: it takes none of the optional inputs (ALiBi, the
-    ranges of lengths and segments, a bias, dropout), which the two-kernel backward (dkv +
-    dq) takes."""
-    return not (t.alibi or t.ranges or t.bias or t.dropout_rate)
+    ranges of lengths and segments, a bias, dropout, the user functions), which the
+    two-kernel backward (dkv + dq) takes."""
+    return not (t.alibi or t.ranges or t.bias or t.dropout_rate or t.score_mod or t.mask_mod)
 
 
 def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):

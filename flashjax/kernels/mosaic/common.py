@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashjax import dropout, masks
+from flashjax import dropout, flex, masks
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
 
@@ -58,6 +58,9 @@ class Tiling:
         dropout seed): [Bb, Hb, Tqp, Tkp] with Bb in (1, B) and Hb in (1, H), or for the
         dK/dV kernel its transpose [Bb, Hb, Tkp, Tqp]. A boolean mask arrives folded into it
         as -inf; values at or below `masks.MASKING_BIAS` mask, as in the Triton kernels.
+      score_mod, mask_mod: the user functions (`flex.Mod`), or None; the arrays they close
+        over are the last inputs (`OptionalInputs.score_consts` / `mask_consts`). score_mod
+        applies to every tile, mask_mod on the boundary tiles (a block mask's partial ones).
     """
 
     block_q: int
@@ -72,12 +75,27 @@ class Tiling:
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
     bias: bool = False
+    score_mod: flex.Mod | None = None
+    mask_mod: flex.Mod | None = None
+
+    @property
+    def scaled_logits(self) -> bool:
+        """Whether `logits` returns scale * q.k (the softcap and score_mod take the scaled
+        score) rather than q.k with the scale left to `exp2_scale`."""
+        return self.softcap is not None or self.score_mod is not None
+
+    @property
+    def masks_any_tile(self) -> bool:
+        """Whether the logits of a tile outside the mask's boundary tiles may hold -inf: a bias
+        (a mask folds into it) or a score_mod can put it anywhere."""
+        return self.bias or self.score_mod is not None
 
     @property
     def exp2_scale(self) -> float:
         """The factor from `score`'s logits to the base-2 exponent of the softmax: the
-        scale is folded into it (one FMA per entry) unless the softcap has applied it."""
-        return LOG2E if self.softcap is not None else self.scale * LOG2E
+        scale is folded into it (one FMA per entry) unless the softcap or score_mod has
+        applied it."""
+        return LOG2E if self.scaled_logits else self.scale * LOG2E
 
     def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:
         """`MaskSpec.kv_boundaries`; with ranges both parts can hold tiles."""
@@ -96,8 +114,9 @@ class Tiling:
 class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
     the tiling does not take it: ALiBi slopes float32 [H], the tile ranges of lengths and
-    segments, the segment ids int32 [B, Tqp] and [B, Tkp], the bias (`Tiling.bias`) and the
-    dropout seed uint32 [2]."""
+    segments, the segment ids int32 [B, Tqp] and [B, Tkp], the bias (`Tiling.bias`), the
+    dropout seed uint32 [2], and the tuples of arrays score_mod and mask_mod close over
+    (`flex.kernel_operands`)."""
 
     slopes: object = None
     ranges: object = None
@@ -105,6 +124,8 @@ class OptionalInputs(NamedTuple):
     kv_segment_ids: object = None
     bias: object = None
     dropout_seed: object = None
+    score_consts: tuple | None = None
+    mask_consts: tuple | None = None
 
     def inputs(self, t: Tiling) -> tuple:
         """The arrays, in kernel-input order, checked against the tiling."""
@@ -114,8 +135,11 @@ class OptionalInputs(NamedTuple):
         assert (self.bias is not None) == t.bias and (self.bias is None or self.bias.ndim == 4), (t, self)
         slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
         seed = None if self.dropout_seed is None else self.dropout_seed.astype(jnp.uint32)
+        assert (self.score_consts is not None) == (t.score_mod is not None), (t, self)
+        assert (self.mask_consts is not None) == (t.mask_mod is not None), (t, self)
         arrays = (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
-        return tuple(x for x in arrays if x is not None)
+        mods = [flex.kernel_operands(c) for c in (self.score_consts, self.mask_consts) if c is not None]
+        return tuple(x for x in arrays if x is not None) + sum(mods, ())
 
     @classmethod
     def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
@@ -127,7 +151,12 @@ class OptionalInputs(NamedTuple):
         q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if t.segments else (None, None)
         bias = refs.pop(0) if t.bias else None
         seed = refs.pop(0) if t.dropout_rate > 0.0 else None
-        return cls(slopes, ranges, q_seg, kv_seg, bias, seed), refs
+        consts = []
+        for mod in (t.score_mod, t.mask_mod):
+            n = 0 if mod is None else len(mod.const_avals)
+            consts.append(None if mod is None else tuple(refs[:n]))
+            refs = refs[n:]
+        return cls(slopes, ranges, q_seg, kv_seg, bias, seed, *consts), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
         """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
@@ -143,6 +172,12 @@ class OptionalInputs(NamedTuple):
         stream = jnp.uint32(0) if t.broadcast_dropout else (b * heads + h).astype(jnp.uint32)
         return dropout.stream_base(self.dropout_seed[0], self.dropout_seed[1], stream)
 
+    def mod_inputs(self, b, h) -> "ModInputs | None":
+        """What the user functions read at batch row b and query head h (None without them)."""
+        if self.score_consts is None and self.mask_consts is None:
+            return None
+        return ModInputs(b, h, self.score_consts, self.mask_consts)
+
     def bias_plane(self, b, h):
         """The bias ref's [T, T] plane of batch row b and query head h (index 0 along a
         broadcast dim)."""
@@ -152,6 +187,16 @@ class OptionalInputs(NamedTuple):
     def kv_length(self, b, tile):
         """Batch row b's kv length (None without ranges: the mask spec's seq_k)."""
         return None if self.ranges is None else self.ranges[b, tile, masks.KV_LENGTH]
+
+
+class ModInputs(NamedTuple):
+    """A tile's arguments of score_mod / mask_mod besides its positions: the batch row, the
+    query head, and the refs of the arrays each function closes over."""
+
+    batch: object
+    head: object
+    score_consts: tuple | None
+    mask_consts: tuple | None
 
 
 def smem_tiles():
@@ -335,27 +380,39 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
     lax.fori_loop(lo, hi, body, None)
 
 
-def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False, bias=None):
-    """The logits of a score tile s = Q K^T (float32, wgmma register layout), in the units
-    `Tiling.exp2_scale` takes: s itself, or with a softcap ``softcap * tanh(scale * s /
-    softcap)``; plus `bias` (the tile's bias, float32 in s's layout; -inf at or below
-    `masks.MASKING_BIAS`) in those units; with `slope` (this head's ALiBi slope) minus
-    ``slope * |q + offset - k|``, for queries [q_start, ...) and keys [k_start, ...)
-    (`mask_tile`'s layout). Returns (logits, d logits / d s divided by the scale, or None
-    without a softcap; the bias and ALiBi do not depend on s). With `mask_tile` after it on
-    boundary tiles, the one scoring path of the Hopper kernels: the forward and both
-    backward kernels call the pair.
+def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False, bias=None,
+           mod: ModInputs | None = None, grad: bool = False):
+    """The logits of a score tile s = Q K^T (float32, wgmma register layout) for queries
+    [q_start, ...) and keys [k_start, ...) (`mask_tile`'s layout), in the units
+    `Tiling.exp2_scale` takes.
+
+    In the Triton kernels' order: the scaled score through score_mod (its batch row, head
+    and arrays in `mod`), then the softcap ``softcap * tanh(score / softcap)``, then `bias`
+    (the tile's bias, float32 in s's layout; -inf at or below `masks.MASKING_BIAS`), then
+    with `slope` (this head's ALiBi slope) minus ``slope * |q + offset - k|``. Without a
+    softcap or score_mod the logits stay in units of q.k (the scale is folded into
+    `exp2_scale`).
+
+    Returns (logits, and with `grad` d logits / d s divided by the scale: score_mod's
+    derivative times the softcap's; None without either, and without `grad`. The bias and
+    ALiBi do not depend on s). With `mask_tile` after it on boundary tiles, the one scoring
+    path of the Hopper kernels: the forward and both backward kernels call the pair.
     """
     dlogits = None
+    if t.score_mod is not None:
+        rows, cols = _positions(s.shape, q_start, k_start, transposed)
+        out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad, inline=True)
+        s, dlogits = out if grad else (out, None)
     if t.softcap is not None:
         # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
         # off by ~1e-3 relative, which the softcap would multiply into the logits).
-        x = s * (t.scale / t.softcap)
+        x = s * ((1.0 if t.score_mod is not None else t.scale) / t.softcap)
         tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
-        s, dlogits = tanh * t.softcap, 1.0 - tanh * tanh
-    # Without a softcap the logits are still in units of q.k (the scale is folded into
-    # exp2_scale), so additive terms are divided by the scale.
-    unit = 1.0 if t.softcap is not None else 1.0 / t.scale
+        s = tanh * t.softcap
+        if grad:
+            dlogits = 1.0 - tanh * tanh if dlogits is None else dlogits * (1.0 - tanh * tanh)
+    # Unscaled logits are in units of q.k, so additive terms are divided by the scale.
+    unit = 1.0 if t.scaled_logits else 1.0 / t.scale
     if bias is not None:
         s = s + masks.bias_logits(bias) * unit
     if slope is not None:
@@ -367,6 +424,17 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
         distance = jnp.abs(lax.broadcast_in_dim(rows, s.shape, [q_dim]) - lax.broadcast_in_dim(cols, s.shape, [k_dim]))
         s = s - (slope if unit == 1.0 else slope * unit) * distance
     return s, dlogits
+
+
+def logit_grad(ds, dlogits, t: Tiling):
+    """dS (d loss / d logits) carried to d loss / d (scale * q.k): times `logits`' derivative.
+    With a score_mod, entries where dS is 0 (masked or weightless) stay 0 whatever the
+    derivative there (it may be inf at a -inf score)."""
+    if dlogits is None:
+        return ds
+    if t.score_mod is not None:
+        return jnp.where(ds == 0.0, 0.0, ds * dlogits)
+    return ds * dlogits
 
 
 def _position_vector(shape, dim: int, start):
@@ -385,15 +453,18 @@ def _positions(shape, q_start, k_start, transposed: bool):
 
 
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None, q_seg=None,
-              kv_seg=None):
+              kv_seg=None, mask_mod: flex.Mod | None = None, mod: ModInputs | None = None):
     """-inf where a score tile in the wgmma register layout does not attend.
 
     s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or
     [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed` (with the batch
-    row's `kv_length`, if given), and with segment ids (`segment_vector`s of the tile's
-    queries and keys) equal ids."""
+    row's `kv_length`, if given), with segment ids (`segment_vector`s of the tile's
+    queries and keys) equal ids, and with `mask_mod` its value (batch row, head and arrays
+    in `mod`)."""
     rows, cols = _positions(s.shape, q_start, k_start, transposed)
     allowed = spec.allowed(rows, cols, kv_length)
+    if mask_mod is not None:
+        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols, inline=True)
     if q_seg is not None:
         q_dim, k_dim = (1, 0) if transposed else (0, 1)
         allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))

@@ -68,6 +68,7 @@ class _Consumer(NamedTuple):
     bias_smem: object = None  # the ring of bias tiles (both consumers' rows) and its ready barriers, with a bias
     bias_ready: object = None
     wg: object = None  # this consumer's index (its rows of a bias tile)
+    mod: object = None  # the user functions' `common.ModInputs`, with score_mod or mask_mod
 
     def slot(self, j):
         return lax.rem(j - self.ring_lo, self.stages)
@@ -106,11 +107,11 @@ class _Consumer(NamedTuple):
         return common.bias_tile(self.bias_smem, self.bias_ready, slot, self.wg, self.t.block_q)
 
     def logits(self, s, j, masked: bool, kv_seg=None, bias=None):
-        s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start,
-                             k_start=None if self.slope is None else j * self.t.block_kv, bias=bias)
+        s, _ = common.logits(s, self.t, slope=self.slope, q_start=self.q_start, k_start=j * self.t.block_kv, bias=bias,
+                             mod=self.mod)
         if masked:
             s = common.mask_tile(s, self.t.spec, self.q_start, j * self.t.block_kv, kv_length=self.kv_length,
-                                 q_seg=self.q_seg, kv_seg=kv_seg)
+                                 q_seg=self.q_seg, kv_seg=kv_seg, mask_mod=self.t.mask_mod, mod=self.mod)
         return s
 
 
@@ -149,7 +150,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         s = c.scores(slot)
         plgpu.barrier_arrive(c.k_free.at[slot])
         s = c.logits(s, j, masked, kv_seg, c.bias(slot))
-        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.bias)
+        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.masks_any_tile)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
         p16 = c.weights(p, j)
@@ -225,7 +226,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
                 plgpu.barrier_arrive(c.v_free.at[prev])
             s = c.logits(s, j, masked, kv_seg, c.bias(slot))
-            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.bias)
+            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.masks_any_tile)
             l_new = l * alpha + p.sum(axis=1)
             p16_new = c.weights(p, j)
             if not masked:
@@ -267,7 +268,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
       optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
         [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids, the
         bias [Bb, Hb, Tqp, Tkp] (exactly when t.bias), the dropout seed (exactly when
-        t.dropout_rate > 0).
+        t.dropout_rate > 0), the arrays score_mod and mask_mod close over (exactly with them).
 
     Returns:
       o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
@@ -320,6 +321,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
                 q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads), bias_smem, bias_ready, wg,
+                opt.mod_inputs(b, h),
             )
 
             # The ring tiles this query tile does not read: release them in order, with
