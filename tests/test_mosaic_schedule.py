@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flashjax import masks
+from flashjax import flex, masks
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import Tiling
 from flashjax.kernels.mosaic.fwd import _at_least_one_tile
@@ -205,7 +205,15 @@ CASES = [
     pytest.param(1024, 1024, True, None, 513, 700, None, id="causal-lengths"),
     pytest.param(1024, 1024, False, None, 100, 1024, None, id="q-length"),
     pytest.param(1024, 1024, True, None, None, None, [0, 300, 301, 700], id="causal-documents"),
+    # a mask_mod's block mask: a band |q - k| <= 40, ranges that start past 0 with no full tile
+    pytest.param(300, 517, False, None, None, None, "band", id="block-mask-band"),
+    # a prefix LM's: full tiles beside partial ones
+    pytest.param(1000, 1000, False, None, None, None, "prefix", id="block-mask-prefix"),
 ]
+BLOCK_MASK_MODS = {
+    "band": lambda b, h, i, j: (i - j <= 40) & (j - i <= 40),
+    "prefix": lambda b, h, i, j: (j <= i) | (j < 300),
+}
 
 
 def _tiling_and_ranges(seq_q, seq_k, causal, window, q_length, kv_length, documents, block_q=64, block_kv=64,
@@ -215,9 +223,15 @@ def _tiling_and_ranges(seq_q, seq_k, causal, window, q_length, kv_length, docume
     q_len = -(-seq_q // (2 * block_q)) * 2 * block_q
     k_len = -(-seq_k // block_kv) * block_kv
     has_ranges = q_length is not None or kv_length is not None or documents is not None
+    mask_mod = BLOCK_MASK_MODS.get(documents) if isinstance(documents, str) else None
+    documents = None if mask_mod is not None else documents
     t = Tiling(block_q, block_kv, stages, spec, 1.0, ranges=has_ranges, segments=documents is not None)
     ranges = None
     if has_ranges:
+        blocks = None
+        if mask_mod is not None:
+            block_mask = flex.block_mask(mask_mod, 1, 1, seq_q, seq_k, block_q=64, block_k=64)
+            blocks = flex.tile_flags(block_mask, block_q, block_kv, q_len // block_q, k_len // block_kv)
         seg = None
         if documents is not None:
             seg = jnp.asarray((np.arange(q_len)[:, None] >= np.asarray(documents)[None, :]).sum(-1)[None], jnp.int32)
@@ -225,7 +239,7 @@ def _tiling_and_ranges(seq_q, seq_k, causal, window, q_length, kv_length, docume
             batch=1, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_kv, padded_q=q_len, padded_k=k_len,
             q_lengths=None if q_length is None else jnp.array([q_length], jnp.int32),
             kv_lengths=None if kv_length is None else jnp.array([kv_length], jnp.int32),
-            q_segment_ids=seg, kv_segment_ids=None if seg is None else seg[:, :k_len],
+            q_segment_ids=seg, kv_segment_ids=None if seg is None else seg[:, :k_len], blocks=blocks,
         )
         ranges = np.asarray(table[0])
     return t, q_len, k_len, ranges
