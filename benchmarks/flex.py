@@ -748,6 +748,8 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
                 if not any(c.impl in (mod_impl, builtin_impl) and c.mode == mode for c in row.cells):
                     continue
                 base_key = key(builtin_impl) if case.baseline == "builtin" else plain(row.seq, mode)
+                if not any(cells.get(k) for k in (key(mod_impl), base_key)):
+                    continue  # neither was run
                 mine, base, torch = ok(key(mod_impl)), ok(base_key), ok(key("torch_flex"))
                 line = dict(case=case.name, seq=row.seq, mode=mode, kind=case.baseline, backend=backend,
                             visible=next((e.get("visible") for e in (mine, base, torch) if e), None),
@@ -756,8 +758,6 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
                             torch_ms=torch and torch["median_ms"],
                             statuses={impl: (cells.get(k) or {}).get("status") for impl, k in
                                       (("flashjax", key(mod_impl)), ("baseline", base_key), ("torch_flex", key("torch_flex")))})
-                if not any(cells.get(k) for k in (key(mod_impl), base_key)):
-                    continue  # neither was run
                 if case.baseline == "builtin":
                     line["mod_over_builtin"] = mine and base and mine["median_ms"] / base["median_ms"]
                     line["torch_over_flashjax"] = mine and torch and torch["median_ms"] / mine["median_ms"]
@@ -769,8 +769,8 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
 
 def stored_rows(cells: dict, args) -> list[Row]:
     """The rows of every case at every T the results file holds, with every implementation: what
-    the summary covers after a run merged into earlier ones (lines without a measurement of
-    flashjax or of its baseline are left out by `summarise`'s callers)."""
+    the summary covers after a run merged into earlier ones (`summarise` leaves out the
+    lines where neither flashjax nor its baseline was run)."""
     build_seqs = sorted({e["seq"] for e in cells.values() if e.get("mode") == "build"})
     seqs = sorted({e["seq"] for e in cells.values() if e.get("mode") in MODES} - set(build_seqs))
     full = argparse.Namespace(**{**vars(args), "cases": ",".join(CASES), "impls": ",".join(IMPLS),
@@ -952,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
     benchmark.save_results(path, results)
 
     print(f"\n{device} | jax {jax.__version__} | torch {results.get('torch', '-')} | bf16, H={sizes.heads}, "
-          f"D={sizes.head_dim}, {sizes.tokens} tokens per batch, backend triton | {time.perf_counter() - start:.0f} s")
+          f"D={sizes.head_dim}, {sizes.tokens} tokens per batch | {time.perf_counter() - start:.0f} s")
     print(report(results["summary"]))
     issues = benchmark.problems(new_entries)
     if issues:

@@ -99,8 +99,8 @@ class Mod:
           refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
           args: (score,) batch, head, q_idx, kv_idx; broadcastable arrays or scalars.
           grad: also return d score_mod / d score at each element (score_mod only).
-          inline: evaluate nested calls (jit, custom_jvp) equation by equation, for a
-            kernel language that lowers none of them (Mosaic GPU).
+          inline: evaluate every nested call (jit, custom_jvp) equation by equation: Mosaic
+            GPU has no lowering rule for custom_jvp calls (jnp functions built on them).
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes).
