@@ -526,6 +526,17 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
     return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
+def with_block_mask(extras, mask_mod: Mod | None, q_shape, kv_len: int, block_q: int, block_k: int):
+    """`extras` (a `params.Extras`) with the block mask of the call's mask_mod at tiles of
+    block_q x block_k (the finest of a backend's kernels: each re-tiles it exactly with
+    `tile_flags`); unchanged without a mask_mod or with a block mask already."""
+    if mask_mod is None or extras.block_mask is not None:
+        return extras
+    batch, seq_q, heads = q_shape[:3]
+    blocks = classify(mask_mod, extras.mask_consts, batch, heads, seq_q, kv_len, block_q, block_k)
+    return extras._replace(block_mask=BlockMask(blocks, None, seq_q, kv_len, block_q, block_k))
+
+
 def tile_class(meets, full):
     """The `BlockMask.blocks` code (int32) of tiles that meet the mask somewhere / everywhere.
 

@@ -50,8 +50,10 @@ def supports(call: Call) -> list[str]:
     return reasons + _pair_array_reasons(call) + _mod_reasons(call)
 
 
+@functools.cache
 def _lowered_primitives() -> frozenset:
-    """The primitives Pallas' Mosaic GPU lowering has a rule for (on warpgroup arrays)."""
+    """The primitives Pallas' Mosaic GPU lowering has a rule for (on warpgroup arrays); read
+    once, when the first call with a mod asks."""
     from jax._src.pallas.mosaic_gpu import lowering
 
     rules = lowering.mosaic_lowering_rules[(lowering.mgpu.LoweringSemantics.Lane, lowering.gpu_core.PrimitiveSemantics.Warpgroup)]
@@ -231,13 +233,8 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     forward and the backward at the finest of the kernels' tiles (each kernel re-tiles it
     exactly, `flex.tile_flags`): one evaluation of mask_mod per tile pair. A direct kernel
     call builds it in `forward` / `backward`."""
-    if params.mask_mod is None or extras.block_mask is not None:
-        return extras
-    block_q = min(config.block_q, config.bwd_block_q)
-    block_k = min(config.block_kv, config.bwd_block_kv, config.dq_block_kv)
-    blocks = flex.classify(params.mask_mod, extras.mask_consts, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                           block_q, block_k)
-    return extras._replace(block_mask=flex.BlockMask(blocks, None, q.shape[1], k.shape[1], block_q, block_k))
+    return flex.with_block_mask(extras, params.mask_mod, q.shape, k.shape[1], min(config.block_q, config.bwd_block_q),
+                                min(config.block_kv, config.bwd_block_kv, config.dq_block_kv))
 
 
 def _drop_padded_rows(o, lse, q_lengths):

@@ -139,13 +139,9 @@ def _with_block_mask(extras: Extras, params: AttentionParams, q, k, config: Trit
     kernel re-tiles it exactly): one evaluation of mask_mod per (query, key) pair. A call
     through `autodiff` has it from `prepare` already; a direct kernel call (the ring's
     blocks) builds it here."""
-    if params.mask_mod is None or extras.block_mask is not None:
-        return extras
     kernels = (config.fwd, config.dkv, config.dq)
-    block_q, block_k = min(c.block_q for c in kernels), min(c.block_k for c in kernels)
-    blocks = flex.classify(params.mask_mod, extras.mask_consts, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                           block_q, block_k)
-    return extras._replace(block_mask=flex.BlockMask(blocks, None, q.shape[1], k.shape[1], block_q, block_k))
+    return flex.with_block_mask(extras, params.mask_mod, q.shape, k.shape[1], min(c.block_q for c in kernels),
+                                min(c.block_k for c in kernels))
 
 
 def _tile_inputs(extras: Extras, q, k, layout: _Layout, block_q: int, block_k: int, *, by_key_block: bool) -> Extras:
