@@ -614,20 +614,45 @@ def tile_flags(mask: BlockMask, block_q: int, block_k: int, n_q: int, n_k: int):
 
 
 def _retile(meets, full, axis: int, have: int, want: int, n: int):
-    """`tile_flags` along one axis: n tiles of `want` positions from blocks of `have`."""
+    """`tile_flags` along one axis: n tiles of `want` positions from blocks of `have`.
+
+    Tiles that are whole multiples of the blocks reduce groups of blocks (a reshape);
+    tiles that divide the blocks repeat them; other sizes take, for each of the at most
+    `overlap` blocks a tile can overlap, that block (static indices). On an H100 a prefix
+    count (cumsum, then a difference of two gathers) gave wrong flags inside the attention
+    program though not alone, so the common cases stay reshapes and repeats."""
     size = meets.shape[axis]
-    starts = np.arange(n) * want
-    first = np.minimum(starts // have, size)  # the blocks [first, last) overlap tile i
-    last = np.minimum((starts + want - 1) // have + 1, size)
-    # Counts over block prefixes: a tile's blocks meet if any does, are full if none is not.
-    prefix = lambda x: jnp.concatenate([jnp.zeros_like(lax.slice_in_dim(x, 0, 1, axis=axis)),
-                                        jnp.cumsum(x, axis=axis)], axis=axis)
-    met, not_full = prefix(meets.astype(jnp.int32)), prefix((~full).astype(jnp.int32))
-    span = lambda c: jnp.take(c, last, axis=axis) - jnp.take(c, first, axis=axis)
-    shape = [1] * meets.ndim
-    shape[axis] = n
-    inside = jnp.asarray(first < last).reshape(shape)
-    return (span(met) > 0) & inside, (span(not_full) == 0) & inside
+    if want % have == 0:
+        factor = want // have
+        widths = [(0, 0)] * meets.ndim
+        widths[axis] = (0, -size % factor)
+        # Blocks past the end are neutral: they meet nothing and do not spoil "full".
+        meets = jnp.pad(meets, widths, constant_values=False)
+        full = jnp.pad(full, widths, constant_values=True)
+        split = meets.shape[:axis] + (meets.shape[axis] // factor, factor) + meets.shape[axis + 1:]
+        meets, full = jnp.any(meets.reshape(split), axis=axis + 1), jnp.all(full.reshape(split), axis=axis + 1)
+    elif have % want == 0:
+        meets, full = jnp.repeat(meets, have // want, axis=axis), jnp.repeat(full, have // want, axis=axis)
+    else:
+        starts = np.arange(n) * want
+        first = np.minimum(starts // have, size)  # the blocks [first, last) overlap tile i
+        last = np.minimum((starts + want - 1) // have + 1, size)
+        shape = [1] * meets.ndim
+        shape[axis] = n
+        met, all_full = jnp.zeros((), bool), jnp.ones((), bool)
+        for k in range(int(np.max(last - first, initial=0))):
+            index, overlaps = np.minimum(first + k, size - 1), jnp.asarray(first + k < last).reshape(shape)
+            met = met | (jnp.take(meets, index, axis=axis) & overlaps)
+            all_full = all_full & (jnp.take(full, index, axis=axis) | ~overlaps)
+        inside = jnp.asarray(first < last).reshape(shape)  # tiles wholly past the blocks meet nothing
+        return met & inside, all_full & inside
+    # Tiles past the blocks (padding) meet nothing and are not full.
+    grown = meets.shape[axis]
+    if grown >= n:
+        return lax.slice_in_dim(meets, 0, n, axis=axis), lax.slice_in_dim(full, 0, n, axis=axis)
+    widths = [(0, 0)] * meets.ndim
+    widths[axis] = (0, n - grown)
+    return jnp.pad(meets, widths), jnp.pad(full, widths)
 
 
 def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: int):

@@ -374,6 +374,35 @@ def test_block_mask_is_exact(mask_mod, batch, heads, q_len, kv_len, block_q, blo
         assert np.all(np.broadcast_to(full, fine.shape) <= (fine == flex.FULL)), "a partial tile is called full"
 
 
+def _retile_reference(meets, full, have: int, want: int, n: int):
+    """Along the last axis: tile i meets if a block it overlaps does, is full if every block it
+    overlaps (blocks that exist) is; tiles wholly past the blocks meet nothing and are not full."""
+    size, out_meets, out_full = meets.shape[-1], [], []
+    for i in range(n):
+        lo, hi = i * want // have, min((i * want + want - 1) // have + 1, size)
+        out_meets.append(meets[..., lo:hi].any(-1) if lo < size else np.zeros(meets.shape[:-1], bool))
+        out_full.append(full[..., lo:hi].all(-1) if lo < size else np.zeros(meets.shape[:-1], bool))
+    return np.stack(out_meets, -1), np.stack(out_full, -1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tile_flags_match_a_per_block_reference(seed):
+    """Re-tiling a block mask along each axis, for tiles that are multiples of the blocks, divide
+    them, or neither (48-row blocks under 64-row tiles), with more or fewer tiles than blocks."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        have, want = (int(rng.choice([16, 32, 48, 64, 128])) for _ in range(2))
+        size, n, axis = int(rng.integers(1, 8)), int(rng.integers(1, 10)), int(rng.choice([2, 3]))
+        shape = [1, 2, 3, 3]
+        shape[axis] = size
+        meets = rng.random(shape) < 0.5
+        full = meets & (rng.random(shape) < 0.5)
+        got = flex._retile(jnp.asarray(meets), jnp.asarray(full), axis, have, want, n)
+        want_flags = _retile_reference(np.moveaxis(meets, axis, -1), np.moveaxis(full, axis, -1), have, want, n)
+        for g, w in zip(got, want_flags):
+            np.testing.assert_array_equal(np.asarray(g), np.moveaxis(w, -1, axis), err_msg=str((have, want, size, n, axis)))
+
+
 @pytest.mark.parametrize("mask_mod, batch, heads, q_len, kv_len, block_q, block_k", CLASSIFY)
 def test_block_mask_kernel_is_exact(mask_mod, batch, heads, q_len, kv_len, block_q, block_k):
     """The GPU builder (a Triton kernel; interpret mode here) gives the dense mask's classes."""
