@@ -325,7 +325,14 @@ def _rule(name, eqn, ins, tables):
     if name == "abs":
         (a,) = nums
         lo = jnp.where(a.lo >= 0, a.lo, jnp.where(a.hi <= 0, -a.hi, 0))
-        return Num(lo, jnp.maximum(jnp.abs(a.lo), jnp.abs(a.hi)), a.point)
+        # max(|lo|, |hi|) = max(-lo, hi) for lo <= hi, written without abs: on an H100, XLA
+        # compiled max(abs(lo), abs(hi)) of int32 tiles to a wrong value (the bound of the
+        # nearer end), which made an integer |q - k| <= w band skip tiles it attends. An
+        # integer lo at its minimum (a range widened by `_no_overflow`) has no negation.
+        hi = jnp.maximum(-a.lo, a.hi)
+        if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
+            hi = jnp.where(a.lo == jnp.iinfo(jnp.result_type(a.lo)).min, jnp.iinfo(jnp.result_type(a.lo)).max, hi)
+        return Num(lo, hi, a.point)
     if name in ("max", "min"):
         a, b = nums
         f = jnp.maximum if name == "max" else jnp.minimum

@@ -344,6 +344,8 @@ CLASSIFY = [
     pytest.param(mods.document_window(_doc_ids(SELF), 9), 2, 3, 70, 70, 16, 32, id="document-window"),
     pytest.param(lambda b, h, i, j: (j % (h + 2)) == 0, 2, 3, 45, 100, 16, 16, id="per-head-strided"),
     pytest.param(lambda b, h, i, j: i + 60 >= j, 1, 1, 17, 77, 128, 128, id="one-block-default"),
+    # An integer |q - k| band per head: the interval rule of abs (miscompiled on an H100 once).
+    pytest.param(lambda b, h, i, j: jnp.abs(i - j) <= 7 + 20 * h, 1, 3, 150, 210, 16, 16, id="band-integer-abs"),
 ]
 
 
