@@ -170,12 +170,6 @@ class Mod:
         return frozenset(eqn.primitive.name for eqn in self._computations())
 
     @functools.cached_property
-    def integer_abs(self) -> bool:
-        """Whether the program takes the absolute value of an integer."""
-        return any(eqn.primitive.name == "abs" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
-                   for eqn in self._computations())
-
-    @functools.cached_property
     def _value_and_slope(self):
         """A scalar program (consts, score, batch, head, q_idx, kv_idx) -> (score_mod, d score_mod / d score),
         the derivative traced in with jax.jvp (the kernels' backward uses it in place of 1)."""

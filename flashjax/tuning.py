@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["device_slug", "entry", "write_entry", "search"]
+__all__ = ["device_slug", "entries", "entry", "write_entry", "search"]
 
 
 def device_slug(name: str) -> str:
@@ -44,8 +44,14 @@ def _table(path: Path) -> dict:
         return json.load(f)
 
 
-def entry(path: Path, head_dim: int, device_kind: str | None) -> dict:
-    """The fields for a head dim: this GPU's measured entry over the built-in default.
+def entries(path: Path) -> frozenset[str]:
+    """The keys (head dims, or "DxDv" pairs) of a table's built-in defaults."""
+    return frozenset(_table(Path(path)).get("default", {}))
+
+
+def entry(path: Path, head_dim: int | str, device_kind: str | None) -> dict:
+    """The fields for a head dim (or a "DxDv" key): this GPU's measured entry over the built-in
+    default.
 
     Keys starting with "_" (notes such as "_source") are dropped. Raises KeyError when
     the table has no default for the head dim.

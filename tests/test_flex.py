@@ -781,18 +781,15 @@ FLEX_OPTIONS = [
                  ("mask_mod reads the closed-over int32[1, 64]",), id="document-ids"),
     pytest.param(dict(score_mod=lambda s, b, h, i, j: s + jnp.floor(i / 8.0)), ("score_mod uses floor",),
                  id="unlowered-primitive"),
-    pytest.param(dict(mask_mod=lambda b, h, i, j: jnp.abs(i - j) <= 8), ("mask_mod takes the abs of an integer",),
-                 id="integer-abs-mask"),
-    pytest.param(dict(sinks=jnp.zeros((2,))), ("sinks",), id="sinks"),
-    pytest.param(dict(v_head_dim=32), ("v head_dim",), id="mla-dims"),
+    pytest.param(dict(v_head_dim=128), ("v head_dim 128 > q/k head_dim 64",), id="v-wider-than-qk"),
 ]
 
 
 @pytest.mark.parametrize("options, reasons", FLEX_OPTIONS)
 def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
-    """On an H100 the Hopper kernels decline sinks, MLA dims, and mods that read a closed-over array
-    per position (a gather) or use a primitive Mosaic GPU does not lower: auto runs Triton forward
-    and backward, and explain names the reason."""
+    """On an H100 the Hopper kernels decline a v head dim wider than q's, and mods that read a
+    closed-over array per position (a gather) or use a primitive Mosaic GPU does not lower: auto
+    runs Triton forward and backward, and explain names the reason."""
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
     options = dict(options)
@@ -806,28 +803,46 @@ def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
 
 
 HOPPER_MODS = [
-    pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), True, id="score_mod"),
-    pytest.param(dict(score_mod=mods.alibi(jnp.ones((2,)))), True, id="per-head-read"),
-    pytest.param(dict(mask_mod=mods.prefix_lm(jnp.array([3]))), False, id="per-batch-read"),
-    pytest.param(dict(mask_mod=mods.chunked(16)), False, id="mask_mod"),
-    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), False, id="block_mask"),
+    pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), id="score_mod"),
+    pytest.param(dict(score_mod=mods.alibi(jnp.ones((2,)))), id="per-head-read"),
+    pytest.param(dict(mask_mod=mods.prefix_lm(jnp.array([3]))), id="per-batch-read"),
+    pytest.param(dict(mask_mod=mods.chunked(16)), id="mask_mod"),
+    pytest.param(dict(mask_mod=lambda b, h, i, j: jnp.abs(i - j) <= 8), id="integer-abs-mask_mod"),
+    pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), id="block_mask"),
 ]
 
 
-@pytest.mark.parametrize("options, auto", HOPPER_MODS)
-def test_hopper_takes_mods(monkeypatch, options, auto):
+@pytest.mark.parametrize("dims, sinks", [
+    pytest.param((64, 64), True, id="sinks"),
+    pytest.param((192, 128), False, id="mla"),
+    pytest.param((96, 64), True, id="mla-padded-sinks"),
+])
+def test_auto_takes_hopper_for_sinks_and_mla_dims(monkeypatch, dims, sinks):
+    """On an H100 auto runs sinks and MLA head dims (v's narrower than q's and k's) on the Hopper
+    kernels, forward and backward; 192 / 192 has a Hopper forward and a Triton backward (the dK/dV
+    accumulators would spill)."""
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    qk_dim, v_dim = dims
+    q = jax.ShapeDtypeStruct((1, 64, 2, qk_dim), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 64, 2, v_dim), jnp.bfloat16)
+    options = dict(sinks=jnp.zeros((2,))) if sinks else {}
+    choice = flashjax.explain(q, q, v, **options)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+    wide = jax.ShapeDtypeStruct((1, 64, 2, 192), jnp.bfloat16)
+    choice = flashjax.explain(wide, wide, wide, **options)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "triton"), choice
+
+
+@pytest.mark.parametrize("options", HOPPER_MODS)
+def test_hopper_takes_mods(monkeypatch, options):
     """Mods that read closed-over arrays at the batch row or head only (one scalar load per tile)
-    run on the Hopper kernels, forward and backward: a score_mod under auto, a mask_mod when asked
-    for (auto keeps mask_mods on Triton, and says why)."""
+    run on the Hopper kernels, forward and backward, asked for and under auto."""
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
     choice = flashjax.explain(q, q, q, backend="mosaic", **options)
     assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
     choice = flashjax.explain(q, q, q, **options)
-    if auto:
-        assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
-    else:
-        assert choice.backend == "triton" and any("auto keeps mask_mods" in r for r in dict(choice.passed)["mosaic"])
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
 
 
 def test_sharded_attention_refuses_flex_options():
@@ -895,11 +910,16 @@ def _slopes(rng, s):
     return dict(slopes=jnp.asarray(rng.uniform(0.01, 0.2, s.heads), jnp.float32))
 
 
+def _sinks(rng, s):
+    return dict(sinks=jnp.asarray(2.0 * rng.standard_normal(s.heads), jnp.float32))
+
+
 def _empty_rows_score_mod(score, b, h, i, j):
     return jnp.where(i % 7 == 3, -jnp.inf, score)
 
 
 HOPPER_CROSS = Shape(batch=2, seq_q=300, seq_k=517, heads=4, kv_heads=2, head_dim=64)  # GQA, odd lengths
+HOPPER_MLA = Shape(batch=2, seq_q=300, seq_k=517, heads=4, kv_heads=2, head_dim=192, v_head_dim=128)
 HOPPER_LONG_Q = Shape(batch=1, seq_q=700, seq_k=333, heads=4, kv_heads=1, head_dim=128)  # MQA, q_len > kv_len
 HOPPER_SELF = Shape(batch=2, seq_q=1000, seq_k=1000, heads=2, kv_heads=2, head_dim=128)
 HOPPER_WIDTHS = jnp.array([40, 300, 7, 1000], jnp.int32)
@@ -914,8 +934,7 @@ HOPPER_CASES = {
         score_mod=mods.tanh_softcap(2.0)), q_scale=8.0),
     "tanh-mod-with-softcap-window": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         score_mod=mods.tanh_softcap(5.0), softcap=3.0, window=(100, 50))),
-    # mask_mods (the block mask narrows the tile ranges; boundary tiles evaluate mask_mod;
-    # backend="mosaic": auto keeps mask_mods on Triton)
+    # mask_mods (the block mask narrows the tile ranges; boundary tiles evaluate mask_mod)
     "prefix-lm": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.prefix_lm(jnp.array([20, 250])))),
     "chunked": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.chunked(96))),
     "chunked-given-block-mask": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(
@@ -924,19 +943,32 @@ HOPPER_CASES = {
         mask_mod=mods.causal(offset=s.seq_k - s.seq_q))),
     "per-head-band": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         mask_mod=lambda b, h, i, j: (i - j <= HOPPER_WIDTHS[h]) & (j - i <= HOPPER_WIDTHS[h]))),
+    "per-head-band-integer-abs": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=lambda b, h, i, j: jnp.abs(i - j) <= HOPPER_WIDTHS[h])),
     # rows without keys: all of batch row 1 (mask_mod), every 7th row (score_mod -inf)
     "rows-without-keys": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         mask_mod=lambda b, h, i, j: j < HOPPER_PREFIX[b], score_mod=_empty_rows_score_mod)),
     # with the built-in options
-    "composed": Case(HOPPER_CROSS, _slopes, lambda a, s: dict(
-        score_mod=mods.alibi(a["slopes"]), mask_mod=mods.chunked(128), causal=True,
+    # attention sinks (rows without keys: lse = the sink), MLA head dims
+    "sinks-causal-long-q": Case(HOPPER_LONG_Q, lambda rng, s: _sinks(rng, s), lambda a, s: dict(
+        sinks=a["sinks"], causal=True)),
+    "sinks-window-lengths": Case(HOPPER_CROSS, lambda rng, s: _sinks(rng, s), lambda a, s: dict(
+        sinks=a["sinks"], window=(100, 30), q_lengths=jnp.array([300, 41]), kv_lengths=jnp.array([517, 200]))),
+    "mla-causal": Case(HOPPER_MLA, lambda rng, s: {}, lambda a, s: dict(causal=True)),
+    "mla-long-q-window-sinks": Case(HOPPER_LONG_Q._replace(head_dim=192, v_head_dim=128), lambda rng, s: _sinks(rng, s),
+                                    lambda a, s: dict(window=(100, 20), sinks=a["sinks"])),
+    "mla-d96-v64-score-mod": Case(HOPPER_CROSS._replace(head_dim=96, v_head_dim=64), lambda rng, s: {}, lambda a, s: dict(
+        score_mod=mods.tanh_softcap(5.0), causal=True)),
+    "composed": Case(HOPPER_CROSS, lambda rng, s: dict(_slopes(rng, s), **_sinks(rng, s)), lambda a, s: dict(
+        score_mod=mods.alibi(a["slopes"]), mask_mod=mods.chunked(128), causal=True, sinks=a["sinks"],
         segment_ids=(_doc_ids(s, ((100, 150, 50), (300,))), _doc_ids(Shape(seq_q=s.seq_k), ((200, 250, 67), (517,)))),
         kv_lengths=jnp.array([480, 517]), dropout_rate=0.1, dropout_rng=jax.random.key(5))),
 }
 
 
 # float16 on the cases whose arithmetic differs from bfloat16's (a score_mod's exp/tanh, a learned slope).
-HOPPER_F16 = ("alibi-learned-causal", "tanh-softcap-large-logits", "tanh-mod-with-softcap-window", "chunked")
+HOPPER_F16 = ("alibi-learned-causal", "tanh-softcap-large-logits", "tanh-mod-with-softcap-window", "chunked",
+              "sinks-causal-long-q", "mla-causal")
 
 
 @requires_hopper
@@ -945,8 +977,9 @@ HOPPER_F16 = ("alibi-learned-causal", "tanh-softcap-large-logits", "tanh-mod-wit
     for dtype, dtype_name in ((jnp.bfloat16, "bf16"), (jnp.float16, "f16")) if dtype_name == "bf16" or name in HOPPER_F16
 ])
 def test_mods_on_hopper(case, dtype, rng):
-    """score_mod and mask_mod in the Hopper kernels (forward, dK/dV, dQ): o, lse and the gradients
-    of q, k, v and of a learned closed-over slope, against the reference."""
+    """score_mod, mask_mod, sinks and MLA head dims in the Hopper kernels (forward, dK/dV, dQ): o,
+    lse and the gradients of q, k, v, of a learned closed-over slope and of the sinks, against the
+    reference."""
     s = case.shape
     x = draw(rng, s, dtype, case.q_scale)
     got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")

@@ -143,7 +143,8 @@ MOSAIC_CASES = [
     # ALiBi (slopes as a kernel input; "accumulate" goes to the two-kernel dQ).
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-alibi-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-alibi-softcap-window"),
-    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ).
+    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ); sinks
+    # (an input of the forward kernel only) on both forward schedules.
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-lengths-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-kv-lengths-alibi-overlap"),
     # Segment ids (the ids streamed beside K, or Q in the dK/dV kernel), with lengths.
@@ -180,7 +181,9 @@ MOSAIC_EXTRAS = {
     "d128-causal-lengths-accumulate": Extras(q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),
                                              kv_lengths=jnp.array([300, SEQ_K], jnp.int32)),
     "d64-kv-lengths-alibi-overlap": Extras(kv_lengths=jnp.array([0, 901], jnp.int32),
-                                           alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
+                                           alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32),
+                                           sinks=jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)),
+    "d128-causal-softcap": Extras(sinks=jnp.zeros((4,), jnp.float32)),
     "d128-causal-segments-lengths": Extras(q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
                                            kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32),
                                            kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
@@ -324,24 +327,35 @@ def _kernel_count_and_scores(text, config):
     return text.count(TRITON_CALL), score_sized(tensor_shapes(text), q_lens, k_lens)
 
 
-def test_mla_head_dims_lower_to_triton_for_sm90(on_hopper):
-    """MLA's 192 (q, k) / 128 (v) head dims: auto picks the Triton kernels (the Hopper ones take
-    one head dim) and they lower for sm_90, forward and backward, with no score-sized tensor."""
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_mla_head_dims_lower_for_sm90(on_hopper, backend):
+    """MLA's 192 (q, k) / 128 (v) head dims lower for sm_90 on both backends (auto picks the
+    Hopper kernels), forward and backward (3 kernels), with no score-sized tensor, and the
+    output has v's head dim."""
     import flashjax
 
     dtype = jnp.bfloat16
     q = jax.ShapeDtypeStruct((1, SEQ_Q, 8, 192), dtype)
     k = jax.ShapeDtypeStruct((1, SEQ_K, 2, 192), dtype)
     v = jax.ShapeDtypeStruct((1, SEQ_K, 2, 128), dtype)
-    assert flashjax.explain(q, k, v, causal=True).backend == "triton"
+    choice = flashjax.explain(q, k, v, causal=True)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
 
     def loss(q, k, v):
-        o, lse = flashjax.flash_attention(q, k, v, causal=True, return_lse=True)
+        o, lse = flashjax.flash_attention(q, k, v, causal=True, return_lse=True, backend=backend)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
     text = lower_for_cuda(loss, q, k, v)
-    count, scores = _kernel_count_and_scores(text, TritonConfig.default(192, dtype))
-    assert count == 3 and not scores, (count, scores)
+    if backend == "mosaic":
+        assert text.count(MOSAIC_CALL) == 3
+        assert set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+        q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
+        k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
+        scores = score_sized(tensor_shapes(text), q_lens, k_lens)
+    else:
+        count, scores = _kernel_count_and_scores(text, TritonConfig.default(192, dtype))
+        assert count == 3
+    assert not scores, scores
     assert "tensor<1x1000x8x128xbf16>" in text, "the output has v's head dim"
 
 

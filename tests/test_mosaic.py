@@ -45,6 +45,7 @@ SHAPES = [
     pytest.param((1, 2047, 2047, 4, 1, 128), id="T2047-d128-mqa"),
     pytest.param((1, 1000, 130, 8, 4, 64), id="q1000>k130-gqa2"),
     pytest.param((1, 1024, 1024, 2, 2, 256), id="T1024-d256"),
+    pytest.param((1, 512, 512, 4, 2, 192), id="T512-d192-gqa2"),  # Hopper forward, Triton backward
 ]
 
 
@@ -93,6 +94,7 @@ SCHEDULE_SHAPES = [
     pytest.param((1, 700, 200, 4, 4, 128), id="q700>k200"),  # causal: rows without keys
     pytest.param((1, 130, 1000, 8, 2, 64), id="q130<k1000-d64"),
     pytest.param((1, 300, 257, 2, 2, 256), id="q300-k257-d256"),
+    pytest.param((1, 300, 257, 2, 2, 160), id="q300-k257-d160"),  # padded to 192
 ]
 
 

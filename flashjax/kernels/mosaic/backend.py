@@ -1,13 +1,14 @@
 """The Hopper backend: pads inputs to whole tiles and runs the Pallas Mosaic GPU kernels.
 
 The kernels want the query length a multiple of two query tiles (one per consumer
-warpgroup), the key length a multiple of the key tile and a head dim of 64, 128 or
-256 (wgmma and the 128-byte swizzle work in 64-column slabs). Inputs are
+warpgroup), the key length a multiple of the key tile and head dims of 64, 128, 192 or
+256 (wgmma and the 128-byte swizzle work in 64-column slabs); v's head dim may be smaller
+than q's and k's (MLA: 192 / 128). Inputs are
 zero-padded here; the kernels' mask spec knows the true lengths and masks the padded
 keys, and padded query rows are dropped.
 
 Supported: bfloat16 and float16, causal (bottom-right aligned) or not, a sliding window,
-a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), an additive bias
+a softcap, ALiBi, q/kv lengths (padding), segment ids (packed documents), attention sinks, an additive bias
 and a boolean mask (each [B or 1, H or 1, Tq, Tk]; the mask is folded into the bias as
 -inf), dropout (the Triton kernels' keep bits), a score_mod and a mask_mod (with a block
 mask narrowing the tile ranges) that read their closed-over arrays at the batch row and
@@ -33,19 +34,22 @@ from flashjax.params import AttentionParams, Call, Extras
 # Options besides causal that the kernels implement (through `common.logits`, `mask_tile`
 # and the `MaskSpec` ranges).
 OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segment_ids", "dropout", "bias", "mask",
-           "score_mod", "mask_mod", "block_mask")
-# The backward keeps a key tile's dK and dV accumulators in registers: at head dim 256
-# a 64-row tile's alone are 256 float32 registers per thread of a warpgroup, over the
-# 255 limit.
-MAX_BACKWARD_HEAD_DIM = 128
+           "score_mod", "mask_mod", "block_mask", "sinks")
+# The dK/dV kernel keeps a key tile's dK and dV accumulators in registers: a 64-row tile
+# of each takes (Dqk + Dv) / 2 float32 registers per thread of a warpgroup. Beside the
+# S^T and dP^T tiles that fits up to Dqk + Dv = 320 (MLA's 192 + 128); two 192- or
+# 256-wide ones would spill.
+MAX_BACKWARD_HEAD_DIMS = 320
 
 
 def supports(call: Call) -> list[str]:
     reasons = device_reasons(call.platform, call.compute_capability, call.dtype)
-    if call.head_dim > HEAD_DIMS[-1]:
-        reasons.append(f"head_dim {call.head_dim} > {HEAD_DIMS[-1]}")
-    if call.v_head_dim is not None:
-        reasons.append(f"v head_dim {call.v_head_dim} != q/k head_dim {call.head_dim} (the kernels take one head dim)")
+    v_head_dim = call.v_head_dim or call.head_dim
+    if max(call.head_dim, v_head_dim) > HEAD_DIMS[-1]:
+        reasons.append(f"head_dim {max(call.head_dim, v_head_dim)} > {HEAD_DIMS[-1]}")
+    elif padded_head_dim(v_head_dim) > padded_head_dim(call.head_dim):
+        reasons.append(f"v head_dim {v_head_dim} > q/k head_dim {call.head_dim} (the kernels write O through Q's "
+                       "shared memory)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
     return reasons + _pair_array_reasons(call) + _mod_reasons(call)
 
@@ -76,22 +80,7 @@ def _mod_reasons(call: Call) -> list[str]:
         missing = sorted(mod.primitives - _lowered_primitives())
         if missing:
             reasons.append(f"{name} uses {', '.join(missing)}, which Mosaic GPU does not lower")
-    if call.mask_mod is not None and call.mask_mod.integer_abs:
-        # Measured on an H100 (benchmarks/results/mosaic-notes.md): a band |q - k| <= w written
-        # with an integer abs gave wrong dQ/dK/dV (the forward was right); the same band as
-        # two comparisons, or with a float abs, was right.
-        reasons.append("mask_mod takes the abs of an integer (wrong gradients on the Hopper kernels, cause not "
-                       "found; write |x| <= w as (x <= w) & (-x <= w))")
     return reasons
-
-
-def declines(call: Call) -> list[str]:
-    """`auto` keeps mask_mods on the Triton kernels: one pattern gave wrong gradients on the
-    Hopper kernels (`_mod_reasons`) and its cause is not found; ``backend="mosaic"`` runs them."""
-    if call.mask_mod is not None:
-        return ["mask_mod (auto keeps mask_mods on the Triton kernels until a wrong-gradient case on the Hopper "
-                "kernels is understood; backend='mosaic' runs them)"]
-    return []
 
 
 def _pair_array_reasons(call: Call) -> list[str]:
@@ -101,7 +90,7 @@ def _pair_array_reasons(call: Call) -> list[str]:
         return []
     names = " and ".join(name for name, _, _ in call.pair_arrays)
     reasons = []
-    if padded_head_dim(call.head_dim) > 128:
+    if max(call.head_dim, call.v_head_dim or 0) > 128:
         reasons.append(f"{names} at head_dim {call.head_dim} > 128 (the bias tiles beside K/V exceed shared memory)")
     broadcast = [name for name, shape, _ in call.pair_arrays if shape[2:] != (call.seq_q, call.seq_k)]
     if broadcast:
@@ -121,14 +110,15 @@ def _pair_array_reasons(call: Call) -> list[str]:
 
 
 def supports_backward(call: Call) -> list[str]:
-    if call.head_dim > MAX_BACKWARD_HEAD_DIM:
-        return [f"head_dim {call.head_dim} > {MAX_BACKWARD_HEAD_DIM} in the backward "
-                "(the dK/dV accumulators of a key tile exceed the registers)"]
+    dims = padded_head_dim(call.head_dim) + padded_head_dim(call.v_head_dim or call.head_dim)
+    if dims > MAX_BACKWARD_HEAD_DIMS:
+        return [f"head dims {call.head_dim} (q, k) + {call.v_head_dim or call.head_dim} (v) > {MAX_BACKWARD_HEAD_DIMS} "
+                "in the backward (the dK/dV accumulators of a key tile exceed the registers)"]
     return []
 
 
 def default_config(call: Call) -> MosaicConfig:
-    return MosaicConfig.default(call.head_dim)
+    return MosaicConfig.default(call.head_dim, v_head_dim=call.v_head_dim)
 
 
 def _has_ranges(extras: Extras) -> bool:
@@ -182,7 +172,7 @@ def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, blo
                   ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None,
                   dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
                   bias=extras.bias is not None or extras.mask is not None,
-                  score_mod=params.score_mod, mask_mod=params.mask_mod)
+                  score_mod=params.score_mod, mask_mod=params.mask_mod, sinks=extras.sinks is not None)
 
 
 def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
@@ -221,7 +211,7 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             # Tiles the masks leave empty are never loaded; those they leave full are unmasked.
             blocks=_block_flags(extras, t.block_q, t.block_kv, q_len, k_len),
         )
-    return OptionalInputs(slopes=extras.alibi_slopes, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+    return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                           bias=_kernel_bias(extras, dtype, q_len, k_len),
                           dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
                           score_consts=extras.score_consts if t.score_mod is not None else None,
@@ -258,10 +248,10 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
     """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
     extras = prepare(q, k, v, extras, params, config)
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    seq_q, seq_k, v_head_dim = q.shape[1], k.shape[1], v.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
-    dim = padded_head_dim(head_dim)
+    dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v_head_dim)
     t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     if t.bias and dim == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
@@ -271,26 +261,27 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     k_len = common.round_up(seq_k, t.block_kv)
     pad = common.pad_tokens
     o, lse2 = mosaic_fwd.forward(
-        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, dim), t, _forward_schedule(config, params, t),
+        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, v_dim), t, _forward_schedule(config, params, t),
         _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype),
     )
-    return _drop_padded_rows(o[:, :seq_q, :, :head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
+    return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 
 
 def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, Extras(bias=dbias, score_consts=...)) given the forward's o and lse and
-    the cotangents of both (the ALiBi slopes get no gradient). dbias (float32, in the bias's
-    broadcast shape) comes from the Triton backend's dbias kernel, and the gradients of the
-    float arrays score_mod closes over from its XLA computation (`score_consts_grad`):
-    separate computations that XLA drops when those gradients are not used."""
+    """Returns (dq, dk, dv, Extras(bias=dbias, sinks=dsinks, score_consts=...)) given the forward's
+    o and lse and the cotangents of both (the ALiBi slopes get no gradient). dbias (float32, in
+    the bias's broadcast shape) comes from the Triton backend's dbias kernel, the gradients of
+    the float arrays score_mod closes over from its XLA computation (`score_consts_grad`):
+    separate computations that XLA drops when those gradients are not used. dsinks is a sum
+    over the rows of lse and delta (`sinks_grad`); the kernels need no sinks, the lse holds them."""
     extras = prepare(q, k, v, extras, params, config)
-    seq_q, seq_k, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    dim = padded_head_dim(head_dim)
+    seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    dim, v_dim = padded_head_dim(head_dim), padded_head_dim(v_head_dim)
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
-    t = _tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages)
+    t = dataclasses.replace(_tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages), sinks=False)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), every key
     # tile's query range to end at the last query tile (no window), and no optional inputs.
-    accumulate = (config.bwd_dq == "accumulate" and dim == 128 and params.window is None
+    accumulate = (config.bwd_dq == "accumulate" and dim == v_dim == 128 and params.window is None
                   and mosaic_bwd.fused_dq_takes(t))
     pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
@@ -305,8 +296,8 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         k_len = common.round_up(seq_k, math.lcm(pair, dq_block_kv))
     lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
     pad = common.pad_tokens
-    qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, dim)
-    kp, vp = pad(k, k_len, dim), pad(v, k_len, dim)
+    qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, v_dim)
+    kp, vp = pad(k, k_len, dim), pad(v, k_len, v_dim)
     if accumulate:
         dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
         dq = dq[:, :seq_q, :, :head_dim]
@@ -323,12 +314,15 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
                            _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype))
         dq = dq[:, :seq_q, :, :head_dim]
-    dbias = score_consts = None
+    dbias = score_consts = dsinks = None
     if extras.bias is not None:
         dbias = triton_backend.bias_gradient(q, k, v, o, lse, do, dlse, extras, params)
     if extras.score_consts is not None:
         score_consts = triton_backend.score_consts_grad(q, k, v, do, lse, delta[:, :, :seq_q], extras, params)
-    return dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :head_dim], Extras(bias=dbias, score_consts=score_consts)
+    if extras.sinks is not None:
+        dsinks = triton_backend.sinks_grad(extras.sinks, lse, delta[:, :, :seq_q])
+    return (dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :v_head_dim],
+            Extras(bias=dbias, sinks=dsinks, score_consts=score_consts))
 
 
 BACKEND = backends.Backend(
@@ -337,7 +331,6 @@ BACKEND = backends.Backend(
     config_type=MosaicConfig,
     supports=supports,
     supports_backward=supports_backward,
-    declines=declines,
     default_config=default_config,
     forward=forward,
     backward=backward,

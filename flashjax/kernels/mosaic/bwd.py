@@ -101,10 +101,12 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
 
 
 def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
-    """dK, dV [B, Tkp, Hkv, D] in k's dtype. q/do [B, Tqp, H, D]; lse2, delta [B, H, Tqp] float32;
+    """dK [B, Tkp, Hkv, D] and dV [B, Tkp, Hkv, Dv] in k's dtype. q [B, Tqp, H, D], do [B, Tqp, H, Dv]
+    (Dv = v's head dim, MLA's differs); lse2, delta [B, H, Tqp] float32;
     `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...], the
     segment ids, the bias [Bb, Hb, Tqp, Tkp] and the arrays the user functions close over."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
+    v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
@@ -192,8 +194,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
                 return carry
 
-            zero = common.zeros((block_kv, head_dim))
-            dk, dv = loop(0, group, head, (zero, zero))
+            dk, dv = loop(0, group, head, (common.zeros((block_kv, head_dim)), common.zeros((block_kv, v_head_dim))))
             _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
 
         def _producer():
@@ -227,9 +228,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
-            plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # V in, dV out
+            plgpu.SMEM((COMPUTE_WGS, block_kv, v_head_dim), dtype, transforms=tiles),  # V in, dV out
             plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_q, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_q), jnp.float32),
             plgpu.SMEM((stages, block_q), jnp.float32),
         )
@@ -248,9 +249,10 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
 
 def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
-    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics); `optional` as the
-    forward's (ranges by query tile)."""
+    """dQ [B, Tqp, H, D] in q's dtype, summed in a fixed order (no atomics); do and v have v's head
+    dim Dv; `optional` as the forward's (ranges by query tile)."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
+    v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
     n_kv = k_len // block_kv
@@ -358,11 +360,11 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out
-            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((COMPUTE_WGS, block_q, v_head_dim), dtype, transforms=tiles),  # dO
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, v_head_dim), dtype, transforms=tiles),
         )
         ready = (
             plgpu.Barrier(num_barriers=stages),

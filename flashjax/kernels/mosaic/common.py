@@ -61,6 +61,10 @@ class Tiling:
       score_mod, mask_mod: the user functions (`flex.Mod`), or None; the arrays they close
         over are the last inputs (`OptionalInputs.score_consts` / `mask_consts`). score_mod
         applies to every tile, mask_mod on the boundary tiles (a block mask's partial ones).
+      sinks: the forward kernel takes a sink logit per head (float32 [H], the input after
+        the slopes) that starts every row's running max and sum (attention sinks). The
+        backward kernels take none: the forward's lse includes the sink, so their
+        P = exp(S - lse) is already the sink-normalised weight.
     """
 
     block_q: int
@@ -77,6 +81,7 @@ class Tiling:
     bias: bool = False
     score_mod: flex.Mod | None = None
     mask_mod: flex.Mod | None = None
+    sinks: bool = False
 
     @property
     def scaled_logits(self) -> bool:
@@ -113,12 +118,13 @@ class Tiling:
 
 class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
-    the tiling does not take it: ALiBi slopes float32 [H], the tile ranges of lengths and
+    the tiling does not take it: ALiBi slopes float32 [H], the sinks float32 [H], the tile ranges of lengths and
     segments, the segment ids int32 [B, Tqp] and [B, Tkp], the bias (`Tiling.bias`), the
     dropout seed uint32 [2], and the tuples of arrays score_mod and mask_mod close over
     (`flex.kernel_operands`)."""
 
     slopes: object = None
+    sinks: object = None
     ranges: object = None
     q_segment_ids: object = None
     kv_segment_ids: object = None
@@ -130,14 +136,16 @@ class OptionalInputs(NamedTuple):
     def inputs(self, t: Tiling) -> tuple:
         """The arrays, in kernel-input order, checked against the tiling."""
         assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.ranges, (t, self)
+        assert (self.sinks is not None) == t.sinks, (t, self)
         assert (self.q_segment_ids is not None) == (self.kv_segment_ids is not None) == t.segments, (t, self)
         assert (self.dropout_seed is not None) == (t.dropout_rate > 0.0), (t, self)
         assert (self.bias is not None) == t.bias and (self.bias is None or self.bias.ndim == 4), (t, self)
         slopes = None if self.slopes is None else self.slopes.astype(jnp.float32)
+        sinks = None if self.sinks is None else self.sinks.astype(jnp.float32)
         seed = None if self.dropout_seed is None else self.dropout_seed.astype(jnp.uint32)
         assert (self.score_consts is not None) == (t.score_mod is not None), (t, self)
         assert (self.mask_consts is not None) == (t.mask_mod is not None), (t, self)
-        arrays = (slopes, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
+        arrays = (slopes, sinks, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
         mods = [flex.kernel_operands(c) for c in (self.score_consts, self.mask_consts) if c is not None]
         return tuple(x for x in arrays if x is not None) + sum(mods, ())
 
@@ -147,6 +155,7 @@ class OptionalInputs(NamedTuple):
         after its fixed inputs."""
         refs = list(refs)
         slopes = refs.pop(0) if t.alibi else None
+        sinks = refs.pop(0) if t.sinks else None
         ranges = refs.pop(0) if t.ranges else None
         q_seg, kv_seg = (refs.pop(0), refs.pop(0)) if t.segments else (None, None)
         bias = refs.pop(0) if t.bias else None
@@ -156,7 +165,7 @@ class OptionalInputs(NamedTuple):
             n = 0 if mod is None else len(mod.const_avals)
             consts.append(None if mod is None else tuple(refs[:n]))
             refs = refs[n:]
-        return cls(slopes, ranges, q_seg, kv_seg, bias, seed, *consts), refs
+        return cls(slopes, sinks, ranges, q_seg, kv_seg, bias, seed, *consts), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
         """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
@@ -552,6 +561,20 @@ def ring_segment_ids(smem, ready, slot, dim: int, masked: bool):
     phases by its own waits."""
     plgpu.barrier_wait(ready.at[slot])
     return segment_vector(smem.at[slot], dim) if masked else None
+
+
+def copy_rows_to_gmem(smem, gmem):
+    """TMA copy of a [rows, D] shared-memory tile (`smem_tiles` layout) into gmem [rows, Dv],
+    Dv <= D: its first Dv columns. The (8, 64) tiling makes a column slice non-contiguous,
+    so a narrower gmem takes one copy per 8-row tile (each a contiguous run of whole
+    64-column slabs)."""
+    rows, cols = gmem.shape
+    if cols == smem.shape[1]:
+        plgpu.copy_smem_to_gmem(smem, gmem)
+        return
+    for r in range(0, rows, 8):
+        plgpu.copy_smem_to_gmem(smem.at[pl.ds(r, 8), pl.ds(0, cols)], gmem.at[pl.ds(r, 8)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
 
 
 def product(a, b, shape):

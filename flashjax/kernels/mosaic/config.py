@@ -14,7 +14,7 @@ __all__ = ["MosaicConfig", "DTYPES", "HEAD_DIMS", "padded_head_dim", "device_rea
 TUNED = Path(__file__).with_name("tuned.json")
 DTYPES = ("bfloat16", "float16")
 # wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")
 BWD_DQ = ("recompute", "accumulate")
 
@@ -91,16 +91,23 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
 
     @classmethod
-    def default(cls, head_dim: int, device_kind: str | None = None) -> "MosaicConfig":
-        """The tiling for a head dim on a GPU model (default: the first JAX device's).
+    def default(cls, head_dim: int, device_kind: str | None = None, v_head_dim: int | None = None) -> "MosaicConfig":
+        """The tiling for a head dim (and v's, when it differs: MLA) on a GPU model (default:
+        the first JAX device's).
 
         The entry `benchmarks/tune.py --backend mosaic` measured for this GPU model in
-        kernels/mosaic/tuned.json over the built-in default. Nothing is timed here.
+        kernels/mosaic/tuned.json over the built-in default; a narrower v has its own
+        entry ("192x128": the K/V ring holds 128-key tiles that 192-wide V tiles would not
+        leave room for) where the table has one. Nothing is timed here.
         """
         if device_kind is None:
             device_kind = tuning.first_gpu_kind()
         fields = {f.name for f in dataclasses.fields(cls)}
-        entry = tuning.entry(TUNED, padded_head_dim(head_dim), device_kind)
+        key = padded_head_dim(head_dim)
+        if v_head_dim is not None and padded_head_dim(v_head_dim) != key:
+            pair = f"{key}x{padded_head_dim(v_head_dim)}"
+            key = pair if pair in tuning.entries(TUNED) else key
+        entry = tuning.entry(TUNED, key, device_kind)
         return cls(**{k: v for k, v in entry.items() if k in fields})
 
     def forward_schedule(self, causal: bool) -> str:

@@ -22,7 +22,8 @@ The arrays arrive padded to whole tiles (see `backend.py`); the mask spec holds 
 true lengths. Key tiles outside a query tile's range (`MaskSpec.kv_range`) are never
 loaded, the fully visible ones run without a mask, and only the boundary tiles (the
 causal diagonal, the last partial key tile) pay for the iota/where. Rows that see no
-key keep m = -inf and l = 0 and finish as o = 0, lse = -inf.
+key keep m = -inf and l = 0 and finish as o = 0, lse = -inf (with sinks, lse = the
+sink's logit: the sink starts every row's running max and sum).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
     one's softmax."""
     t = c.t
     scale_log2 = t.exp2_scale
-    head_dim = c.q_smem.shape[-1]
+    v_head_dim = c.v_smem.shape[-1]
 
     @pl.when(tiles.hi > tiles.lo)
     def _():
@@ -161,7 +162,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
             plgpu.barrier_wait(schedule_barrier)  # tensor cores free again
 
         # The order follows JAX's FA3 example, where it was measured to matter.
-        if head_dim <= 128:
+        if v_head_dim <= 128:
             l = l + p.sum(axis=1)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             end_softmax()
@@ -191,7 +192,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     rescale acc. The first tile is always computed with the mask."""
     t = c.t
     scale_log2 = t.exp2_scale
-    head_dim = c.q_smem.shape[-1]
+    v_head_dim = c.v_smem.shape[-1]
     acc, m, l = carry
 
     first = c.slot(tiles.lo)
@@ -200,8 +201,8 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     s = c.scores(first)
     plgpu.barrier_arrive(c.k_free.at[first])
     s = c.logits(s, tiles.lo, True, kv_seg, c.bias(first))
-    m, _, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
-    l = p.sum(axis=1)
+    m, alpha, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
+    l = l * alpha + p.sum(axis=1)  # l is 0, or 1 for the sink
     p16 = c.weights(p, tiles.lo)
     c.turn()
 
@@ -236,7 +237,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             return acc_new * lax.broadcast_in_dim(alpha, acc_new.shape, [0]), m_new, l_new, p16_new
 
         return pl.run_scoped(
-            body, plgpu.ACC((t.block_q, t.block_kv), jnp.float32), plgpu.ACC((t.block_q, head_dim), jnp.float32)
+            body, plgpu.ACC((t.block_q, t.block_kv), jnp.float32), plgpu.ACC((t.block_q, v_head_dim), jnp.float32)
         )
 
     start = tiles.lo + 1
@@ -261,21 +262,25 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
     """Runs the forward kernel on padded inputs.
 
     Args:
-      q: [B, Tqp, H, D] bf16/fp16, Tqp a multiple of 2 * t.block_q, D in (64, 128, 256).
-      k, v: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
+      q: [B, Tqp, H, D] bf16/fp16, Tqp a multiple of 2 * t.block_q, D in (64, 128, 192, 256).
+      k: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
+      v: [B, Tkp, Hkv, Dv], Dv <= D (MLA: D = 192, Dv = 128).
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
-      optional: the ALiBi slopes (given exactly when t.alibi) and the lengths' ranges
+      optional: the ALiBi slopes (given exactly when t.alibi), the sinks (exactly when
+        t.sinks) and the lengths' ranges
         [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids, the
         bias [Bb, Hb, Tqp, Tkp] (exactly when t.bias), the dropout seed (exactly when
         t.dropout_rate > 0), the arrays score_mod and mask_mod close over (exactly with them).
 
     Returns:
-      o like q, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
+      o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
     """
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
+    v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
+    assert v_head_dim <= head_dim, (q.shape, v.shape)  # O is written through Q's shared memory
     assert schedule in SCHEDULES, schedule
     overlap = schedule == "overlap"
     n_kv = k_len // block_kv
@@ -310,9 +315,16 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
-            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = common.zeros((block_q, head_dim))
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            if opt.sinks is None:
+                m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+                l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+            else:
+                # The sink is a key every row sees with logit sinks[h] and no value: the
+                # running max starts at it (log2 units) and the running sum at its weight, 1.
+                m = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout) + opt.sinks[h] * LOG2E
+                l = plgpu.layout_cast(jnp.full((block_q,), 1.0, jnp.float32), row_layout)
+            acc = common.zeros((block_q, v_head_dim))
             q_seg = None
             if t.segments:
                 q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, pl.ds(q_start, block_q)], q_seg_smem2.at[wg],
@@ -344,10 +356,13 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
             l_safe = jnp.where(l == 0.0, 1.0, l)
             acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
+            # O through the query tile's shared memory, which no product reads any more (with
+            # a smaller v head dim, its first v_head_dim columns).
+            o_smem = qo_smem if v_head_dim == head_dim else qo_smem.at[:, pl.ds(0, v_head_dim)]
+            o_smem[...] = acc.astype(dtype)
             lse_smem[...] = m + jnp.log(l) * LOG2E
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
+            common.copy_rows_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -373,7 +388,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
         )
         ready = (
@@ -390,6 +405,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         )
 
     return common.launch(
-        entry, out_type=(q, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
+        entry, out_type=(jax.ShapeDtypeStruct((batch, q_len, heads, v_head_dim), dtype),
+                         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
         pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
     )(q, k, v, *optional.inputs(t))
