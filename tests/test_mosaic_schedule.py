@@ -278,3 +278,26 @@ def test_the_simulation_finds_releases_that_do_not_wait():
             except Race:
                 found += 1
     assert found > 0
+
+
+@pytest.mark.parametrize("mask_mod", [
+    pytest.param(flex.trace(lambda b, h, i, j: j <= i, flex.MASK_MOD)[0], id="causal-mod"),
+    pytest.param(flex.trace(lambda b, h, i, j: j >= i, flex.MASK_MOD)[0], id="anti-causal-mod"),
+    pytest.param(flex.trace(lambda b, h, i, j: (i // 300) == (j // 300), flex.MASK_MOD)[0], id="chunked-300"),
+])
+def test_pair_order_takes_the_longest_pairs_first(mask_mod):
+    """The order the forward and dQ kernels take pairs of query tiles in, with ranges and no causal
+    mask: a permutation of the pairs, by non-increasing count of the key tiles they visit."""
+    seq, block_q, block_kv = 1000, 64, 128
+    q_len, k_len = 1024, 1024
+    blocks = flex.classify(mask_mod, (), 1, 1, seq, seq, 64, 64)
+    bm = flex.BlockMask(blocks, None, seq, seq, 64, 64)
+    meets, full = flex.tile_flags(bm, block_q, block_kv, q_len // block_q, k_len // block_kv)
+    ranges = masks.dynamic_ranges(batch=2, seq_q=seq, seq_k=seq, block_q=block_q, block_k=block_kv, padded_q=q_len,
+                                  padded_k=k_len, blocks=(meets, full))
+    spec = masks.MaskSpec(seq_q=seq, seq_k=seq, causal=False)
+    order = np.asarray(common.pair_order(ranges, spec, block_q, block_kv, k_len // block_kv))
+    assert sorted(order) == list(range(q_len // (2 * block_q)))
+    r = np.asarray(ranges)
+    work = (r[:, :, masks.HI] - r[:, :, masks.LO]).clip(0).sum(0).reshape(-1, 2).sum(1)
+    assert np.all(np.diff(work[order]) <= 0), work[order]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flashjax import backends, flex, masks
 from flashjax.kernels import common
 from flashjax.kernels.triton import backend as triton_backend
-from flashjax.kernels.mosaic import bwd as mosaic_bwd, decode as mosaic_decode, fwd as mosaic_fwd
+from flashjax.kernels.mosaic import bwd as mosaic_bwd, common as mosaic_common, decode as mosaic_decode, fwd as mosaic_fwd
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.kernels.mosaic.config import HEAD_DIMS, MosaicConfig, device_reasons, padded_head_dim
 from flashjax.params import AttentionParams, Call, Extras
@@ -211,11 +211,14 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             # Tiles the masks leave empty are never loaded; those they leave full are unmasked.
             blocks=_block_flags(extras, t.block_q, t.block_kv, q_len, k_len),
         )
+    order = None
+    if not by_key_block and mosaic_common.ordered_pairs(t):
+        order = mosaic_common.pair_order(ranges, t.spec, t.block_q, t.block_kv, k_len // t.block_kv)
     return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                           bias=_kernel_bias(extras, dtype, q_len, k_len),
                           dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
                           score_consts=extras.score_consts if t.score_mod is not None else None,
-                          mask_consts=extras.mask_consts if t.mask_mod is not None else None)
+                          mask_consts=extras.mask_consts if t.mask_mod is not None else None, pair_order=order)
 
 
 def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> Extras:
@@ -237,10 +240,12 @@ def _drop_padded_rows(o, lse, q_lengths):
 
 
 def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) -> str:
-    """The config's schedule; "auto" with a bias or a score_mod is "pingpong": the overlapped
-    loop keeps the next P V product's accumulator in registers beside the score tile, with
-    no room left for the bias tile or score_mod's position tiles."""
-    if config.fwd_schedule == "auto" and (t.bias or t.score_mod is not None):
+    """The config's schedule; "auto" with a bias, a score_mod or a mask_mod is "pingpong": the
+    overlapped loop keeps the next P V product's accumulator in registers beside the score
+    tile, with no room left for the bias tile or the mods' position tiles, and it waits for
+    P V on every masked tile (a mask_mod's partial tiles; measured on an H100, pingpong is
+    5-25% faster there, benchmarks/results/mosaic-notes.md)."""
+    if config.fwd_schedule == "auto" and (t.bias or t.score_mod is not None or t.mask_mod is not None):
         return "pingpong"
     return config.forward_schedule(params.causal)
 

@@ -276,7 +276,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
         bias_smem, bias_ready = bias_scratch
         ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
-        pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
+        pair = common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
         def _consumer(wg):
@@ -356,7 +356,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-        opt, (dq_ref,) = OptionalInputs.split(t, refs)
+        opt, (dq_ref,) = OptionalInputs.split(t, refs, pairs=True)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, dQ out

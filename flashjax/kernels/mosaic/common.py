@@ -120,8 +120,9 @@ class OptionalInputs(NamedTuple):
     """The kernels' optional inputs (refs inside a kernel, arrays outside), each None when
     the tiling does not take it: ALiBi slopes float32 [H], the sinks float32 [H], the tile ranges of lengths and
     segments, the segment ids int32 [B, Tqp] and [B, Tkp], the bias (`Tiling.bias`), the
-    dropout seed uint32 [2], and the tuples of arrays score_mod and mask_mod close over
-    (`flex.kernel_operands`)."""
+    dropout seed uint32 [2], the tuples of arrays score_mod and mask_mod close over
+    (`flex.kernel_operands`), and, for the kernels that walk pairs of query tiles with
+    ranges and no causal mask, the order they take the pairs in (`pair_order`)."""
 
     slopes: object = None
     sinks: object = None
@@ -132,6 +133,7 @@ class OptionalInputs(NamedTuple):
     dropout_seed: object = None
     score_consts: tuple | None = None
     mask_consts: tuple | None = None
+    pair_order: object = None
 
     def inputs(self, t: Tiling) -> tuple:
         """The arrays, in kernel-input order, checked against the tiling."""
@@ -146,13 +148,16 @@ class OptionalInputs(NamedTuple):
         assert (self.score_consts is not None) == (t.score_mod is not None), (t, self)
         assert (self.mask_consts is not None) == (t.mask_mod is not None), (t, self)
         arrays = (slopes, sinks, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
+        assert self.pair_order is None or ordered_pairs(t), (t, self)
         mods = [flex.kernel_operands(c) for c in (self.score_consts, self.mask_consts) if c is not None]
-        return tuple(x for x in arrays if x is not None) + sum(mods, ())
+        order = () if self.pair_order is None else (self.pair_order,)
+        return tuple(x for x in arrays if x is not None) + sum(mods, ()) + order
 
     @classmethod
-    def split(cls, t: Tiling, refs) -> tuple["OptionalInputs", list]:
+    def split(cls, t: Tiling, refs, *, pairs: bool = False) -> tuple["OptionalInputs", list]:
         """(the optional input refs, the remaining refs: the outputs) from a kernel entry's refs
-        after its fixed inputs."""
+        after its fixed inputs; `pairs`: the kernel walks pairs of query tiles (it takes
+        their order with `ordered_pairs`)."""
         refs = list(refs)
         slopes = refs.pop(0) if t.alibi else None
         sinks = refs.pop(0) if t.sinks else None
@@ -165,7 +170,8 @@ class OptionalInputs(NamedTuple):
             n = 0 if mod is None else len(mod.const_avals)
             consts.append(None if mod is None else tuple(refs[:n]))
             refs = refs[n:]
-        return cls(slopes, sinks, ranges, q_seg, kv_seg, bias, seed, *consts), refs
+        order = refs.pop(0) if pairs and ordered_pairs(t) else None
+        return cls(slopes, sinks, ranges, q_seg, kv_seg, bias, seed, *consts, order), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
         """`structural` cut to row (b, tile) of the ranges (unchanged without them)."""
@@ -244,10 +250,32 @@ def hull(a: BlockRange, b: BlockRange) -> tuple:
     return jnp.minimum(a.lo, b.lo), jnp.maximum(a.hi, b.hi)
 
 
-def pair_index(num_pairs: int, longest_first: bool):
-    """This CTA's pair of tiles. With a causal mask the last (longest) query rows go first,
-    so that the short CTAs fill the tail of the schedule instead of the long ones."""
+def ordered_pairs(t: Tiling) -> bool:
+    """Whether the kernels that walk pairs of query tiles take them in the order of an input
+    (`pair_order`): with ranges (lengths, documents, a block mask) and no causal mask, whose
+    static order (`pair_index`) already puts the longest first."""
+    return t.ranges and not t.spec.causal
+
+
+def pair_order(ranges, spec, block_q: int, block_kv: int, n_kv: int):
+    """int32 [n_pairs]: the pairs of query tiles, the most key tiles first (summed over the
+    batch rows, the two tiles' ranges cut to the structural range), so that the short CTAs
+    fill the tail of the schedule. ranges: int32 [B, n_q, RANGE_FIELDS] (`masks.dynamic_ranges`)."""
+    n_q = ranges.shape[1]
+    structural = spec.kv_range(jnp.arange(n_q, dtype=jnp.int32), block_q, block_kv, n_kv)
+    lo = jnp.maximum(ranges[:, :, masks.LO], structural.lo)
+    hi = jnp.minimum(ranges[:, :, masks.HI], structural.hi)
+    work = jnp.maximum(hi - lo, 0).sum(0).reshape(n_q // COMPUTE_WGS, COMPUTE_WGS).sum(1)
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)
+
+
+def pair_index(num_pairs: int, longest_first: bool, order=None):
+    """This CTA's pair of tiles: at `order`'s entry for it (a ref of `pair_order`), or with a
+    causal mask the last (longest) query rows first, so that the short CTAs fill the tail
+    of the schedule instead of the long ones."""
     index = lax.axis_index("pair")
+    if order is not None:
+        return order[index]
     return num_pairs - 1 - index if longest_first else index
 
 

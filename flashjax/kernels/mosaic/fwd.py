@@ -301,7 +301,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
         bias_smem, bias_ready = bias_scratch
         ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
-        pair = common.pair_index(n_pairs, longest_first=t.spec.causal)
+        pair = common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order)
         # The producer streams the key tiles either consumer needs.
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
         take_turn = common.turn(schedule_barrier, not overlap)
@@ -383,7 +383,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         common.warp_specialized(_consumer, _producer)
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        opt, (o_ref, lse_ref) = OptionalInputs.split(t, refs)
+        opt, (o_ref, lse_ref) = OptionalInputs.split(t, refs, pairs=True)
         tiles = common.smem_tiles()
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
