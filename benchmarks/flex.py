@@ -34,7 +34,7 @@ Implementations (cells of one row: a case at one T):
 * ``flashjax_mosaic``, ``flashjax_mosaic_builtin``: the same two on the Hopper kernels
   (``backend="mosaic"``), the block mask built at their 64 x 64 tiles. A mod the Hopper
   kernels cannot evaluate (a closed-over array read per position: the document ids, the
-  T5 table) is recorded "unsupported" with the reason; sinks and MLA have no Hopper row;
+  T5 table) is recorded "unsupported" with the reason;
 * ``torch_flex``: PyTorch's ``flex_attention`` under ``torch.compile(dynamic=False)``
   (default mode and kernel options) with ``create_block_mask`` built outside the timed
   call, in a subprocess (benchmarks/torch_flex.py) that runs before JAX claims the GPU.
@@ -316,7 +316,7 @@ def backend_of(impl: str) -> str:
 def runs(case: Case, impl: str) -> bool:
     """Whether the case has the implementation."""
     return {"flashjax": True, "flashjax_builtin": case.builtin is not None,
-            "flashjax_mosaic": case.baseline == "builtin",
+            "flashjax_mosaic": True,
             "flashjax_mosaic_builtin": case.builtin is not None, "torch_flex": case.torch}[impl]
 
 
@@ -338,14 +338,16 @@ def plan(args) -> list[Row]:
                         kind="build_baseline"))
         rows += [Row(CASES[n], build_seq, [make_cell(CASES[n], build_seq, "build", i, sizes) for i in BUILD_IMPLS],
                      kind="build") for n in built]
-    needs_plain = any(CASES[n].baseline == "plain" for n in names) and "flashjax" in impls
+    # Sinks and MLA are measured against the plain causal call on the same backend.
+    plain_impls = [BACKEND_IMPLS[backend_of(i)][1] for i in ("flashjax", "flashjax_mosaic") if i in impls]
+    needs_plain = any(CASES[n].baseline == "plain" for n in names)
     for seq in seqlens:
         for name in CASES:
             case = CASES[name]
             chosen = [i for i in impls if runs(case, i)] if name in names else []
             kind = "attention" if chosen else "plain"
-            if name == PLAIN and needs_plain and "flashjax_builtin" not in chosen:
-                chosen.append("flashjax_builtin")
+            if name == PLAIN and needs_plain:
+                chosen += [i for i in plain_impls if i not in chosen]
             cells = [make_cell(case, seq, mode, impl, sizes) for mode in modes for impl in chosen]
             if cells:
                 rows.append(Row(case, seq, cells, kind))
@@ -723,8 +725,8 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
         e = cells.get(key)
         return e if e is not None and e.get("status") == "ok" else None
 
-    def plain(seq, mode):
-        return benchmark.cell_key(PLAIN, seq, True, mode, "flashjax_builtin")
+    def plain(seq, mode, impl="flashjax_builtin"):
+        return benchmark.cell_key(PLAIN, seq, True, mode, impl)
 
     out = []
     for row in rows:
@@ -747,7 +749,7 @@ def summarise(cells: dict, rows: list[Row]) -> list[dict]:
             for backend, (mod_impl, builtin_impl) in BACKEND_IMPLS.items():
                 if not any(c.impl in (mod_impl, builtin_impl) and c.mode == mode for c in row.cells):
                     continue
-                base_key = key(builtin_impl) if case.baseline == "builtin" else plain(row.seq, mode)
+                base_key = key(builtin_impl) if case.baseline == "builtin" else plain(row.seq, mode, builtin_impl)
                 if not any(cells.get(k) for k in (key(mod_impl), base_key)):
                     continue  # neither was run
                 mine, base, torch = ok(key(mod_impl)), ok(base_key), ok(key("torch_flex"))
