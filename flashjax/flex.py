@@ -103,9 +103,12 @@ class Mod:
             GPU has no lowering rule for custom_jvp calls (jnp functions built on them).
 
         Returns:
-          The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes).
+          The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
+          slopes is None for an `additive` score_mod (its derivative is 1: nothing to multiply).
         """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
+        if grad and self.additive:
+            return _evaluate_tile(self.jaxpr, consts, args, inline)[0], None
         if grad:
             jaxpr, own = self._value_and_slope
             return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), inline))
@@ -168,6 +171,26 @@ class Mod:
     def primitives(self) -> frozenset:
         """The names of the primitives the program computes with (`_computations`)."""
         return frozenset(eqn.primitive.name for eqn in self._computations())
+
+    @functools.cached_property
+    def additive(self) -> bool:
+        """Whether d score_mod / d score is 1 at every input: the score plus a function of the
+        positions, batch, head and closed-over arrays (ALiBi, a relative-position bias). The
+        derivative program's result then depends on no input, and is 1."""
+        if self.name != SCORE_MOD:
+            return False
+        jaxpr, consts = self._value_and_slope
+        slope = jaxpr.outvars[1]
+        varying = set(jaxpr.invars)
+        for eqn in jaxpr.eqns:
+            if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
+                varying.update(eqn.outvars)
+        if isinstance(slope, jex_core.Var) and slope in varying:
+            return False
+        # Evaluated now, with concrete zeros, even when first asked inside a kernel's trace.
+        with jax.ensure_compile_time_eval():
+            inputs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+            return bool(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*inputs)[1] == 1.0)
 
     @functools.cached_property
     def _value_and_slope(self):

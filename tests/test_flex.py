@@ -984,3 +984,21 @@ def test_mods_on_hopper(case, dtype, rng):
     x = draw(rng, s, dtype, case.q_scale)
     got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")
     assert_matches(got, want, dtype)
+
+
+@pytest.mark.parametrize("score_mod, additive", [
+    pytest.param(mods.alibi(jnp.ones((2,))), True, id="alibi"),
+    pytest.param(mods.t5_relative_bias(jnp.zeros((2, 32))), True, id="t5-table"),
+    pytest.param(lambda s, b, h, i, j: s + 1.0, True, id="plus-constant"),
+    pytest.param(lambda s, b, h, i, j: s, True, id="identity"),
+    pytest.param(mods.tanh_softcap(5.0), False, id="tanh"),
+    pytest.param(lambda s, b, h, i, j: 2.0 * s, False, id="scaled"),
+    pytest.param(lambda s, b, h, i, j: jnp.where(i % 7 == 3, -jnp.inf, s), False, id="where-on-positions"),
+    pytest.param(lambda s, b, h, i, j: s * jnp.array([1.0, 1.0])[h], False, id="times-a-closed-over-one"),
+])
+def test_additive_score_mods_skip_the_derivative(score_mod, additive):
+    """A score_mod whose derivative in the score is 1 everywhere is `additive` (the kernels then
+    compute no derivative); one whose derivative depends on an input, even if it is 1 for these
+    arrays, is not."""
+    mod, _ = flex.trace(score_mod, flex.SCORE_MOD)
+    assert mod.additive is additive
