@@ -957,6 +957,8 @@ HOPPER_CASES = {
     "mla-causal": Case(HOPPER_MLA, lambda rng, s: {}, lambda a, s: dict(causal=True)),
     "mla-long-q-window-sinks": Case(HOPPER_LONG_Q._replace(head_dim=192, v_head_dim=128), lambda rng, s: _sinks(rng, s),
                                     lambda a, s: dict(window=(100, 20), sinks=a["sinks"])),
+    "mla-192-64-lengths": Case(HOPPER_MLA._replace(v_head_dim=64), lambda rng, s: {}, lambda a, s: dict(
+        kv_lengths=jnp.array([517, 300]), window=(200, None))),
     "mla-d96-v64-score-mod": Case(HOPPER_CROSS._replace(head_dim=96, v_head_dim=64), lambda rng, s: {}, lambda a, s: dict(
         score_mod=mods.tanh_softcap(5.0), causal=True)),
     "composed": Case(HOPPER_CROSS, lambda rng, s: dict(_slopes(rng, s), **_sinks(rng, s)), lambda a, s: dict(

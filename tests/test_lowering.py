@@ -143,8 +143,9 @@ MOSAIC_CASES = [
     # ALiBi (slopes as a kernel input; "accumulate" goes to the two-kernel dQ).
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-alibi-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-alibi-softcap-window"),
-    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ); sinks
-    # (an input of the forward kernel only) on both forward schedules.
+    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ); with
+    # d64-kv-lengths-alibi-overlap and d128-causal-softcap, sinks (an input of the forward kernel
+    # only) on both forward schedules.
     pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-lengths-accumulate"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-kv-lengths-alibi-overlap"),
     # Segment ids (the ids streamed beside K, or Q in the dK/dV kernel), with lengths.
@@ -249,10 +250,11 @@ def typed_tensors(text: str) -> list[tuple[tuple[int, ...], str]]:
     return found
 
 
-def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window, capacity: int = 4000, causal=True):
+def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window, capacity: int = 4000, causal=True,
+                 head_dim: int = 128):
     """(StableHLO text of a decode call lowered for CUDA, the cache's shape, its capacity);
     `capacity`: a contiguous cache's max_len."""
-    batch, heads, kv_heads, head_dim = 2, 32, 8, 128
+    batch, heads, kv_heads = 2, 32, 8
     S = jax.ShapeDtypeStruct
     if page_size is None:
         table = None
@@ -290,13 +292,13 @@ def test_decode_kernel_lowers_to_triton_for_sm90(fake_h100, page_size, cache_dty
     assert not cache_copies(text, cache_shape, capacity, cache_element)
 
 
-@pytest.mark.parametrize("q_len,causal", [(1, True), (5, False)])
-def test_mosaic_decode_lowers_for_sm90(q_len, causal):
+@pytest.mark.parametrize("q_len,causal,head_dim", [(1, True, 128), (5, False, 128), (1, True, 192)])
+def test_mosaic_decode_lowers_for_sm90(q_len, causal, head_dim):
     """The Hopper decode path (the forward kernel on the cache split into batch rows) lowers
     for sm_90 and reads the cache in place: one Mosaic GPU kernel, no copy of the cache (no
     converted or gathered copy, and nothing of the cache's heads larger than it: no pad)."""
     text, cache_shape, capacity = lower_decode("mosaic", None, jnp.bfloat16, None, q_len, None, capacity=4096,
-                                               causal=causal)
+                                               causal=causal, head_dim=head_dim)
     assert text.count(MOSAIC_CALL) == 1 and "flashjax_mosaic_fwd" in text
     assert not cache_copies(text, cache_shape, capacity, "bf16")
     padded = [shape for shape, _ in typed_tensors(text)
@@ -325,6 +327,34 @@ def _kernel_count_and_scores(text, config):
     q_lens = {SEQ_Q, -(-SEQ_Q // fitted.q_multiple) * fitted.q_multiple}
     k_lens = {SEQ_K, -(-SEQ_K // fitted.k_multiple) * fitted.k_multiple}
     return text.count(TRITON_CALL), score_sized(tensor_shapes(text), q_lens, k_lens)
+
+
+@pytest.mark.parametrize("dims, backward", [
+    pytest.param((192, 64), "mosaic", id="192-64"),
+    pytest.param((256, 64), "triton", id="256-64"),
+    pytest.param((128, 64), "mosaic", id="128-64"),
+])
+def test_narrow_v_lowers_for_sm90(on_hopper, dims, backward):
+    """A v head dim narrower than q's on the Hopper kernels: the forward always, the backward where
+    its dQ tiles fit (q/k <= 192; 256 / 64 runs the Triton backward); lowered for sm_90 with the
+    default tiles (the shared-memory limit is checked by the lowering)."""
+    import flashjax
+
+    qk_dim, v_dim = dims
+    dtype = jnp.bfloat16
+    q = jax.ShapeDtypeStruct((1, SEQ_Q, 4, qk_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, SEQ_K, 2, qk_dim), dtype)
+    v = jax.ShapeDtypeStruct((1, SEQ_K, 2, v_dim), dtype)
+    choice = flashjax.explain(q, k, v, causal=True)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", backward), choice
+
+    def loss(q, k, v):
+        o, lse = flashjax.flash_attention(q, k, v, causal=True, return_lse=True)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    text = lower_for_cuda(loss, q, k, v)
+    kernels = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
+    assert kernels == ({"fwd", "dkv", "dq"} if backward == "mosaic" else {"fwd"}), kernels
 
 
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])

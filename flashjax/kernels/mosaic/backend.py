@@ -37,17 +37,20 @@ OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segm
            "score_mod", "mask_mod", "block_mask", "sinks")
 # The dK/dV kernel keeps a key tile's dK and dV accumulators in registers: a 64-row tile
 # of each takes (Dqk + Dv) / 2 float32 registers per thread of a warpgroup. Beside the
-# S^T and dP^T tiles that fits up to Dqk + Dv = 320 (MLA's 192 + 128); two 192- or
-# 256-wide ones would spill.
-MAX_BACKWARD_HEAD_DIMS = 320
+# S^T and dP^T tiles, Dqk + Dv = 320 (MLA's 192 + 128) spills a little (280 bytes; 0.90-0.97x
+# the plain call's TFLOP/s on an H100), wider pairs would spill more. The dQ kernel's
+# accumulator and its Q / dO / K / V tiles fit up to Dqk = 192.
+MAX_BACKWARD_HEAD_DIM_SUM = 320
+MAX_BACKWARD_QK_HEAD_DIM = 192
 
 
 def supports(call: Call) -> list[str]:
     reasons = device_reasons(call.platform, call.compute_capability, call.dtype)
     v_head_dim = call.v_head_dim or call.head_dim
-    if max(call.head_dim, v_head_dim) > HEAD_DIMS[-1]:
-        reasons.append(f"head_dim {max(call.head_dim, v_head_dim)} > {HEAD_DIMS[-1]}")
-    elif padded_head_dim(v_head_dim) > padded_head_dim(call.head_dim):
+    too_wide = [f"{name} {dim} > {HEAD_DIMS[-1]}" for name, dim in (("head_dim", call.head_dim), ("v head_dim", v_head_dim))
+                if dim > HEAD_DIMS[-1]]
+    reasons += too_wide
+    if not too_wide and padded_head_dim(v_head_dim) > padded_head_dim(call.head_dim):
         reasons.append(f"v head_dim {v_head_dim} > q/k head_dim {call.head_dim} (the kernels write O through Q's "
                        "shared memory)")
     reasons += [f"{option} (not in the Hopper kernels yet)" for option in call.options() if option not in OPTIONS]
@@ -110,11 +113,15 @@ def _pair_array_reasons(call: Call) -> list[str]:
 
 
 def supports_backward(call: Call) -> list[str]:
-    dims = padded_head_dim(call.head_dim) + padded_head_dim(call.v_head_dim or call.head_dim)
-    if dims > MAX_BACKWARD_HEAD_DIMS:
-        return [f"head dims {call.head_dim} (q, k) + {call.v_head_dim or call.head_dim} (v) > {MAX_BACKWARD_HEAD_DIMS} "
-                "in the backward (the dK/dV accumulators of a key tile exceed the registers)"]
-    return []
+    qk_dim, v_dim = padded_head_dim(call.head_dim), padded_head_dim(call.v_head_dim or call.head_dim)
+    reasons = []
+    if qk_dim + v_dim > MAX_BACKWARD_HEAD_DIM_SUM:
+        reasons.append(f"head dims {qk_dim} (q, k) + {v_dim} (v) > {MAX_BACKWARD_HEAD_DIM_SUM} in the backward (the "
+                       "dK/dV accumulators of a key tile exceed the registers)")
+    if qk_dim > MAX_BACKWARD_QK_HEAD_DIM:
+        reasons.append(f"q/k head dim {qk_dim} > {MAX_BACKWARD_QK_HEAD_DIM} in the backward (the dQ kernel's tiles "
+                       "exceed shared memory)")
+    return reasons
 
 
 def default_config(call: Call) -> MosaicConfig:
@@ -212,13 +219,14 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             blocks=_block_flags(extras, t.block_q, t.block_kv, q_len, k_len),
         )
     order = None
-    if not by_key_block and mosaic_common.ordered_pairs(t):
+    if not by_key_block and mosaic_common.takes_pair_order(t):
         order = mosaic_common.pair_order(ranges, t.spec, t.block_q, t.block_kv, k_len // t.block_kv)
-    return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=ranges, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                          bias=_kernel_bias(extras, dtype, q_len, k_len),
+    return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=ranges,
+                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=_kernel_bias(extras, dtype, q_len, k_len),
                           dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
                           score_consts=extras.score_consts if t.score_mod is not None else None,
-                          mask_consts=extras.mask_consts if t.mask_mod is not None else None, pair_order=order)
+                          mask_consts=extras.mask_consts if t.mask_mod is not None else None,
+                          pair_order=order)
 
 
 def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> Extras:
@@ -251,7 +259,8 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns o [B, Tq, H, D] and the natural-log lse [B, H, Tq] (-inf for rows that see no key)."""
+    """Returns o [B, Tq, H, Dv] and the natural-log lse [B, H, Tq] (-inf for rows that see no key;
+    with sinks, the sink's logit)."""
     extras = prepare(q, k, v, extras, params, config)
     seq_q, seq_k, v_head_dim = q.shape[1], k.shape[1], v.shape[3]
     # Short key sequences: a smaller key tile wastes less work on padding.

@@ -380,7 +380,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
 
     return common.launch(
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
-    )(q, k, v, do, lse2, delta, *optional.inputs(t))
+    )(q, k, v, do, lse2, delta, *optional.inputs(t, pairs=True))
 
 
 def fused_dq_takes(t: Tiling) -> bool:

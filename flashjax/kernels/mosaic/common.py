@@ -135,8 +135,9 @@ class OptionalInputs(NamedTuple):
     mask_consts: tuple | None = None
     pair_order: object = None
 
-    def inputs(self, t: Tiling) -> tuple:
-        """The arrays, in kernel-input order, checked against the tiling."""
+    def inputs(self, t: Tiling, *, pairs: bool = False) -> tuple:
+        """The arrays, in kernel-input order, checked against the tiling; `pairs`: for a kernel
+        that walks pairs of query tiles (it takes their order with `takes_pair_order`)."""
         assert (self.slopes is not None) == t.alibi and (self.ranges is not None) == t.ranges, (t, self)
         assert (self.sinks is not None) == t.sinks, (t, self)
         assert (self.q_segment_ids is not None) == (self.kv_segment_ids is not None) == t.segments, (t, self)
@@ -148,7 +149,7 @@ class OptionalInputs(NamedTuple):
         assert (self.score_consts is not None) == (t.score_mod is not None), (t, self)
         assert (self.mask_consts is not None) == (t.mask_mod is not None), (t, self)
         arrays = (slopes, sinks, self.ranges, self.q_segment_ids, self.kv_segment_ids, self.bias, seed)
-        assert self.pair_order is None or ordered_pairs(t), (t, self)
+        assert (self.pair_order is not None) == (pairs and takes_pair_order(t)), (t, self)
         mods = [flex.kernel_operands(c) for c in (self.score_consts, self.mask_consts) if c is not None]
         order = () if self.pair_order is None else (self.pair_order,)
         return tuple(x for x in arrays if x is not None) + sum(mods, ()) + order
@@ -157,7 +158,7 @@ class OptionalInputs(NamedTuple):
     def split(cls, t: Tiling, refs, *, pairs: bool = False) -> tuple["OptionalInputs", list]:
         """(the optional input refs, the remaining refs: the outputs) from a kernel entry's refs
         after its fixed inputs; `pairs`: the kernel walks pairs of query tiles (it takes
-        their order with `ordered_pairs`)."""
+        their order with `takes_pair_order`)."""
         refs = list(refs)
         slopes = refs.pop(0) if t.alibi else None
         sinks = refs.pop(0) if t.sinks else None
@@ -170,7 +171,7 @@ class OptionalInputs(NamedTuple):
             n = 0 if mod is None else len(mod.const_avals)
             consts.append(None if mod is None else tuple(refs[:n]))
             refs = refs[n:]
-        order = refs.pop(0) if pairs and ordered_pairs(t) else None
+        order = refs.pop(0) if pairs and takes_pair_order(t) else None
         return cls(slopes, sinks, ranges, q_seg, kv_seg, bias, seed, *consts, order), refs
 
     def tile_range(self, structural: BlockRange, b, tile) -> BlockRange:
@@ -250,7 +251,7 @@ def hull(a: BlockRange, b: BlockRange) -> tuple:
     return jnp.minimum(a.lo, b.lo), jnp.maximum(a.hi, b.hi)
 
 
-def ordered_pairs(t: Tiling) -> bool:
+def takes_pair_order(t: Tiling) -> bool:
     """Whether the kernels that walk pairs of query tiles take them in the order of an input
     (`pair_order`): with ranges (lengths, documents, a block mask) and no causal mask, whose
     static order (`pair_index`) already puts the longest first."""

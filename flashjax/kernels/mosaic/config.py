@@ -58,7 +58,8 @@ class MosaicConfig:
         other's products), "overlap" (each consumer software-pipelines its key loop:
         tile j's softmax runs while tile j-1's P V product is on the tensor cores), or
         "auto": overlap without a causal mask, pingpong with one (the faster of the two
-        on an H100 in each case; benchmarks/results/mosaic-notes.md).
+        on an H100 in each case; benchmarks/results/mosaic-notes.md), and pingpong with a
+        bias, a score_mod or a mask_mod (the backend's `_forward_schedule`).
       bwd_dq: how the backward gets dQ (both deterministic). "recompute": a second
         kernel walks the key tiles of each query tile and recomputes S and dP (7
         matrix products per tile pair). "accumulate": the dK/dV kernel also forms

@@ -274,7 +274,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         t.dropout_rate > 0), the arrays score_mod and mask_mod close over (exactly with them).
 
     Returns:
-      o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys).
+      o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys;
+      with sinks the sink's logit).
     """
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     v_head_dim = v.shape[3]
@@ -353,7 +354,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             skip(tiles.hi, ring_hi, ready=ring_ready if common.upper_skips_wait(t, lockstep=not overlap) else ())
             pl.when(wg == 0)(take_turn)
 
-            # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf.
+            # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf (with sinks
+            # l = 1 and acc = 0: o = 0 and lse = the sink's logit).
             l_safe = jnp.where(l == 0.0, 1.0, l)
             acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
             # O through the query tile's shared memory, which no product reads any more (with
@@ -408,4 +410,4 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         entry, out_type=(jax.ShapeDtypeStruct((batch, q_len, heads, v_head_dim), dtype),
                          jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
         pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
-    )(q, k, v, *optional.inputs(t))
+    )(q, k, v, *optional.inputs(t, pairs=True))
