@@ -331,7 +331,8 @@ def _rule(name, eqn, ins, tables):
         # integer lo at its minimum (a range widened by `_no_overflow`) has no negation.
         hi = jnp.maximum(-a.lo, a.hi)
         if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
-            hi = jnp.where(a.lo == jnp.iinfo(jnp.result_type(a.lo)).min, jnp.iinfo(jnp.result_type(a.lo)).max, hi)
+            info = jnp.iinfo(jnp.result_type(a.lo))
+            hi = jnp.where(a.lo == info.min, info.max, hi)
         return Num(lo, hi, a.point)
     if name in ("max", "min"):
         a, b = nums

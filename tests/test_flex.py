@@ -290,7 +290,7 @@ def test_sinks_gradient_formula(rng):
     f = lambda sinks: reference.attention(x["q"], x["k"], x["v"], sinks=sinks, causal=True, return_lse=True)
     (o, lse), pullback = jax.vjp(f, sinks)
     (want,) = pullback((x["do"], x["dlse"]))
-    from flashjax.kernels.triton.backend import sinks_grad
+    from flashjax.kernels.extras_grad import sinks_grad
 
     delta = jnp.einsum("bqhd,bqhd->bhq", x["do"], o) - x["dlse"]
     np.testing.assert_allclose(sinks_grad(sinks, lse, delta), want, rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ import math
 import jax.numpy as jnp
 
 from flashjax import backends, flex, masks
-from flashjax.kernels import common
+from flashjax.kernels import common, extras_grad
 from flashjax.kernels.triton import backend as triton_backend
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, common as mosaic_common, decode as mosaic_decode, fwd as mosaic_fwd
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
@@ -332,9 +332,9 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     if extras.bias is not None:
         dbias = triton_backend.bias_gradient(q, k, v, o, lse, do, dlse, extras, params)
     if extras.score_consts is not None:
-        score_consts = triton_backend.score_consts_grad(q, k, v, do, lse, delta[:, :, :seq_q], extras, params)
+        score_consts = extras_grad.score_consts_grad(q, k, v, do, lse, delta[:, :, :seq_q], extras, params)
     if extras.sinks is not None:
-        dsinks = triton_backend.sinks_grad(extras.sinks, lse, delta[:, :, :seq_q])
+        dsinks = extras_grad.sinks_grad(extras.sinks, lse, delta[:, :, :seq_q])
     return (dq, dk[:, :seq_k, :, :head_dim], dv[:, :seq_k, :, :v_head_dim],
             Extras(bias=dbias, sinks=dsinks, score_consts=score_consts))
 
