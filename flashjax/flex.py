@@ -70,6 +70,10 @@ class Mod:
         scalar arguments (score, batch, head, q_idx, kv_idx; no score for a mask_mod).
       uses_batch, uses_head: whether the result depends on the batch / head index (a block
         mask is broadcast along the axes it does not use).
+      sides: () for a user's function. For a mask_mod split by `sides.split`: its (row,
+        column) programs (jaxprs of the closed-over arrays and (batch, head, index), each
+        returning the int32 value the mask reads at one query / key position), and `jaxpr`
+        takes those two values after kv_idx.
     """
 
     name: str
@@ -77,7 +81,8 @@ class Mod:
     jaxpr: Any
     uses_batch: bool
     uses_head: bool
-    program: str = ""  # the jaxpr's text: what equality compares
+    program: str = ""  # the jaxpr's text (with `sides`, theirs too): what equality compares
+    sides: tuple = ()
 
     def _key(self):
         return (self.name, self.const_avals, self.program)
@@ -97,7 +102,8 @@ class Mod:
 
         Args:
           refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
-          args: (score,) batch, head, q_idx, kv_idx; broadcastable arrays or scalars.
+          args: (score,) batch, head, q_idx, kv_idx (and with `sides` the row and column
+            values); broadcastable arrays or scalars.
           grad: also return d score_mod / d score at each element (score_mod only).
           inline: evaluate every nested call (jit, custom_jvp) equation by equation: Mosaic
             GPU has no lowering rule for custom_jvp calls (jnp functions built on them).

@@ -777,8 +777,6 @@ def test_xla_backend_differentiates_closed_over_arrays(rng):
 FLEX_OPTIONS = [
     pytest.param(dict(score_mod=mods.t5_relative_bias(jnp.zeros((2, 32)))),
                  ("score_mod reads the closed-over float32[2, 32] at an index that depends on q_idx",), id="t5-table"),
-    pytest.param(dict(mask_mod=mods.document_window(jnp.zeros((1, 64), jnp.int32), 16)),
-                 ("mask_mod reads the closed-over int32[1, 64]",), id="document-ids"),
     pytest.param(dict(score_mod=lambda s, b, h, i, j: s + jnp.floor(i / 8.0)), ("score_mod uses floor",),
                  id="unlowered-primitive"),
     pytest.param(dict(v_head_dim=128), ("v head_dim 128 > q/k head_dim 64",), id="v-wider-than-qk"),
@@ -788,7 +786,8 @@ FLEX_OPTIONS = [
 @pytest.mark.parametrize("options, reasons", FLEX_OPTIONS)
 def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
     """On an H100 the Hopper kernels decline a v head dim wider than q's, and mods that read a
-    closed-over array per position (a gather) or use a primitive Mosaic GPU does not lower: auto
+    closed-over array at a pair of positions (a gather per score) or use a primitive Mosaic GPU
+    does not lower: auto
     runs Triton forward and backward, and explain names the reason."""
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
@@ -809,6 +808,7 @@ HOPPER_MODS = [
     pytest.param(dict(mask_mod=mods.chunked(16)), id="mask_mod"),
     pytest.param(dict(mask_mod=lambda b, h, i, j: jnp.abs(i - j) <= 8), id="integer-abs-mask_mod"),
     pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 64, 64)), id="block_mask"),
+    pytest.param(dict(mask_mod=mods.document_window(jnp.zeros((1, 64), jnp.int32), 16)), id="per-position-reads"),
 ]
 
 
@@ -843,6 +843,83 @@ def test_hopper_takes_mods(monkeypatch, options):
     assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
     choice = flashjax.explain(q, q, q, **options)
     assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+
+
+def _grid(fn, batch, heads, q_len, kv_len, *extra):
+    """fn(b, h, q_idx, kv_idx, *extra) over every index: [batch, heads, q_len, kv_len]. `extra`
+    are per-row [batch, q_len] and per-column [batch, kv_len] values."""
+    b, h = jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None]
+    i, j = jnp.arange(q_len)[None, None, :, None], jnp.arange(kv_len)[None, None, None, :]
+    values = [x[:, None, :, None] for x in extra[:1]] + [x[:, None, None, :] for x in extra[1:]]
+    return flex.elementwise(fn, b, h, i, j, *values)
+
+
+SPLIT_MODS = {
+    "document-window": lambda ids, flags, floats: mods.document_window(ids, 9),
+    "row-only-bool": lambda ids, flags, floats: lambda b, h, i, j: flags[b, i] | (j == 0),
+    "column-only-float": lambda ids, flags, floats: lambda b, h, i, j: floats[j] < i.astype(jnp.float32) * 0.25,
+    "derived-row-value": lambda ids, flags, floats: lambda b, h, i, j: ids[b, i] // 2 == ids[b, j] // 2,
+    "batch-read-beside": lambda ids, flags, floats: lambda b, h, i, j: (ids[b, i] == ids[b, j]) | (j < ids[b, 0] + h),
+    "int8-ids": lambda ids, flags, floats: _int8_documents(ids.astype(jnp.int8)),
+}
+
+
+def _int8_documents(ids):
+    return lambda b, h, i, j: ids[b, i] >= ids[b, j]
+
+
+@pytest.mark.parametrize("name", SPLIT_MODS)
+def test_split_mask_mods_equal_the_user_function(name, rng):
+    """`sides.split` moves a mask_mod's per-row and per-column reads out: its rest, given the
+    row and column values `sides.values` computes, is the user's mask at every pair, past the
+    arrays' ends too (where reads clamp, as in the kernels)."""
+    from flashjax import sides
+
+    batch, heads, q_len, kv_len = 2, 3, 45, 37
+    ids = jnp.asarray(np.sort(rng.integers(0, 5, (batch, 40)), axis=1), jnp.int32)
+    flags = jnp.asarray(rng.random((batch, 40)) < 0.7)
+    floats = jnp.asarray(rng.uniform(-2.0, 12.0, 30), jnp.float32)
+    mod, consts = flex.trace(SPLIT_MODS[name](ids, flags, floats), flex.MASK_MOD)
+    split = sides.split(mod)
+    assert isinstance(split, flex.Mod) and split.sides and not split.position_reads, split
+    rows, cols = sides.values(split, consts, batch, q_len, kv_len)
+    assert rows.shape == (batch, q_len) and cols.shape == (batch, kv_len) and rows.dtype == jnp.int32
+    want = _grid(mod.bind(consts), batch, heads, q_len, kv_len)
+    got = _grid(split.bind(consts), batch, heads, q_len, kv_len, rows, cols)
+    assert 0.0 < float(jnp.mean(want)) < 1.0
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mask_mod, why", [
+    pytest.param(lambda b, h, i, j: TABLE[h, i - j + 64] > 0, "both q_idx and kv_idx", id="pair-read"),
+    pytest.param(lambda b, h, i, j: TABLE[h, i] == TABLE[h, j], "depends on the head", id="per-head-row"),
+    pytest.param(lambda b, h, i, j: (TABLE[0, i] == TABLE[0, j]) & (TABLE[1, i] <= j), "2 values per row",
+                 id="two-row-values"),
+])
+def test_split_refuses_what_the_kernels_cannot_stream(monkeypatch, mask_mod, why):
+    """Reads that `sides.split` cannot move out of the kernels say why, and keep the Hopper
+    kernels from being chosen (auto explains it)."""
+    from flashjax import sides
+
+    mod, _ = flex.trace(mask_mod, flex.MASK_MOD)
+    assert why in sides.split(mod)
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    choice = flashjax.explain(q, q, q, mask_mod=mask_mod)
+    assert choice.backend == "triton" and why in str(choice), choice
+
+
+TABLE = jnp.arange(2 * 200, dtype=jnp.int32).reshape(2, 200) % 7
+
+
+def test_split_documents_with_segment_ids_stay_on_triton(monkeypatch):
+    """segment_ids and a mask_mod that reads ids per position both need the Hopper kernels' one
+    vector per row: the call runs on Triton, and auto says why."""
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    mask_mod = mods.document_window(jnp.zeros((1, 64), jnp.int32), 16)
+    choice = flashjax.explain(q, q, q, mask_mod=mask_mod, segment_ids=jnp.zeros((1, 64), jnp.int32))
+    assert choice.backend == "triton" and "one vector per row" in str(choice), choice
 
 
 def test_sharded_attention_refuses_flex_options():
@@ -918,6 +995,14 @@ def _empty_rows_score_mod(score, b, h, i, j):
     return jnp.where(i % 7 == 3, -jnp.inf, score)
 
 
+def _documents(q_ids, kv_ids):
+    return lambda b, h, i, j: q_ids[b, i] == kv_ids[b, j]
+
+
+def _flags_and_offsets(row_flags, col_offsets):
+    return lambda b, h, i, j: row_flags[i] & (col_offsets[j] <= 0.5 * i.astype(jnp.float32) + 3.0)
+
+
 HOPPER_CROSS = Shape(batch=2, seq_q=300, seq_k=517, heads=4, kv_heads=2, head_dim=64)  # GQA, odd lengths
 HOPPER_MLA = Shape(batch=2, seq_q=300, seq_k=517, heads=4, kv_heads=2, head_dim=192, v_head_dim=128)
 HOPPER_LONG_Q = Shape(batch=1, seq_q=700, seq_k=333, heads=4, kv_heads=1, head_dim=128)  # MQA, q_len > kv_len
@@ -948,6 +1033,17 @@ HOPPER_CASES = {
     # rows without keys: all of batch row 1 (mask_mod), every 7th row (score_mod -inf)
     "rows-without-keys": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         mask_mod=lambda b, h, i, j: j < HOPPER_PREFIX[b], score_mod=_empty_rows_score_mod)),
+    # closed-over arrays read per row and per column (`sides.split`: int32 vectors streamed beside K)
+    "documents-window": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=mods.document_window(_doc_ids(s, ((300, 450, 250), (1000,))), 200))),
+    # q and kv ids apart, causal; batch row 1's query ids match no key's: rows without keys
+    "documents-cross-rows-without-keys": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=_documents(_doc_ids(s, ((100, 150, 50), (300,))),
+                            _doc_ids(Shape(seq_q=s.seq_k), ((200, 250, 67), (517,))) + jnp.array([[0], [7]])),
+        causal=True)),
+    # a bool read per row and a float read per column (converted / bit-cast to int32)
+    "row-flags-column-floats": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        mask_mod=_flags_and_offsets(jnp.asarray(np.arange(s.seq_q) % 5 != 2), jnp.linspace(-50.0, 250.0, s.seq_k)))),
     # with the built-in options
     # attention sinks (rows without keys: lse = the sink), MLA head dims
     "sinks-causal-long-q": Case(HOPPER_LONG_Q, lambda rng, s: _sinks(rng, s), lambda a, s: dict(

@@ -20,6 +20,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.pallas.triton import pallas_call_registration
 
@@ -70,11 +71,12 @@ def score_sized(shapes, q_lens, k_lens) -> list[tuple[int, ...]]:
     """Shapes with a query-length dim and a key-length dim, or a multiple of Tq * Tk elements.
 
     The second test catches scores flattened or reshaped; 1000 * 1200 = 2^7 3 5^5, and
-    no other tensor here has the factor 5^5 (it needs both lengths).
+    no other tensor here has the factor 5^5 (it needs both lengths). Empty tensors (slices of
+    zero rows in the block-mask builder) hold nothing.
     """
     return [
         s for s in shapes
-        if (set(s) & q_lens and set(s) & k_lens) or math.prod(s) % (SEQ_Q * SEQ_K) == 0
+        if math.prod(s) and ((set(s) & q_lens and set(s) & k_lens) or math.prod(s) % (SEQ_Q * SEQ_K) == 0)
     ]
 
 
@@ -438,6 +440,9 @@ def test_block_mask_kernel_lowers_to_triton_for_sm90(fake_h100, block):
     assert not [s for s in tensor_shapes(text) if s.count(SEQ_Q) >= 2], "a [q_len, kv_len] tensor outside the kernel"
 
 
+# Document ids of 2 batch rows, non-decreasing, for the queries and the keys.
+Q_DOCS = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 4, (2, SEQ_Q)), axis=1), jnp.int32)
+KV_DOCS = jnp.asarray(np.sort(np.random.default_rng(1).integers(0, 4, (2, SEQ_K)), axis=1), jnp.int32)
 MOSAIC_FLEX_CASES = {
     # score_mod reading a per-head slope (learned: its gradient runs in XLA) with a causal mask_mod
     "alibi-mod-causal-mask-mod": lambda slopes: dict(
@@ -449,6 +454,11 @@ MOSAIC_FLEX_CASES = {
     # chunks (an integer floor division) and a per-batch prefix (a scalar read at the batch row)
     "chunked-prefix-mask-mod": lambda slopes: dict(
         mask_mod=lambda b, h, i, j: ((i // 128 == j // 128) & (j <= i)) | (j < jnp.array([5, 300])[b])),
+    # packed documents read per row and per column from closed-over ids, with a window: the
+    # ids travel to the kernels as vectors (`sides.split`)
+    "documents-window-mask-mod": lambda slopes: dict(
+        mask_mod=lambda b, h, i, j: ((Q_DOCS[b, i] == KV_DOCS[b, j]) & (j <= i + SEQ_K - SEQ_Q)
+                                     & (i + SEQ_K - SEQ_Q - j <= 300))),
     # a per-head band: the block mask differs per head (the ranges take every head's tiles)
     "per-head-band-mask-mod": lambda slopes: dict(
         mask_mod=lambda b, h, i, j: (i - j <= jnp.array([64, 128, 256, 4096])[h]) & (j - i <= 64), window=(500, 500)),

@@ -23,7 +23,7 @@ import math
 
 import jax.numpy as jnp
 
-from flashjax import backends, flex, masks
+from flashjax import backends, flex, masks, sides
 from flashjax.kernels import common, extras_grad
 from flashjax.kernels.triton import backend as triton_backend
 from flashjax.kernels.mosaic import bwd as mosaic_bwd, common as mosaic_common, decode as mosaic_decode, fwd as mosaic_fwd
@@ -71,15 +71,22 @@ def _mod_reasons(call: Call) -> list[str]:
     """Why the kernels cannot evaluate the call's score_mod / mask_mod on a wgmma score tile:
     a closed-over array read at a position-dependent index (a gather per row, column or
     score, which Mosaic GPU has no instruction for; reads at the batch row and head are one
-    scalar load per tile), or a primitive Mosaic GPU does not lower."""
+    scalar load per tile) that `sides.split` cannot move out of the kernel, or a primitive
+    Mosaic GPU does not lower."""
     reasons = []
     for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
         if mod is None:
             continue
         if mod.position_reads:
-            reasons.append(f"{name} reads the closed-over {' and '.join(mod.position_reads)} at an index that depends on "
-                           "q_idx, kv_idx or the score (the Hopper kernels read closed-over arrays at the batch and "
-                           "head only; the Triton kernels gather)")
+            split = sides.split(mod)
+            why = split if isinstance(split, str) else None
+            if why is None and "segment_ids" in call.arrays:
+                why = "segment_ids take the kernels' one vector per row and column"
+            if why is not None:
+                reasons.append(f"{name} reads the closed-over {' and '.join(mod.position_reads)} at an index that "
+                               f"depends on q_idx, kv_idx or the score, and {why} (the Triton kernels gather)")
+                continue
+            mod = split
         missing = sorted(mod.primitives - _lowered_primitives())
         if missing:
             reasons.append(f"{name} uses {', '.join(missing)}, which Mosaic GPU does not lower")
@@ -174,12 +181,17 @@ def _block_flags(extras: Extras, block_q: int, block_k: int, q_len: int, k_len: 
 
 def _tiling(params: AttentionParams, extras: Extras, seq_q: int, seq_k: int, block_q: int, block_kv: int,
             stages: int) -> Tiling:
+    mask_mod = params.mask_mod
+    if mask_mod is not None and mask_mod.position_reads:
+        # Its reads per row and per column travel as the segment ids do (`supports` checked).
+        mask_mod = sides.split(mask_mod)
     return Tiling(block_q=block_q, block_kv=block_kv, stages=stages, spec=params.mask_spec(seq_q, seq_k),
                   scale=params.scale, softcap=params.softcap, alibi=extras.alibi_slopes is not None,
-                  ranges=_has_ranges(extras), segments=extras.q_segment_ids is not None,
+                  ranges=_has_ranges(extras),
+                  segments=extras.q_segment_ids is not None or (mask_mod is not None and bool(mask_mod.sides)),
                   dropout_rate=params.dropout_rate, broadcast_dropout=params.broadcast_dropout,
                   bias=extras.bias is not None or extras.mask is not None,
-                  score_mod=params.score_mod, mask_mod=params.mask_mod, sinks=extras.sinks is not None)
+                  score_mod=params.score_mod, mask_mod=mask_mod, sinks=extras.sinks is not None)
 
 
 def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
@@ -205,9 +217,10 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
     per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
     the dK/dV kernel, by key tile (narrowed to the tiles a mask shared by the heads and the
     block mask leave non-empty, `_block_flags`), the bias with the mask (`_kernel_bias`),
-    and the arrays score_mod and mask_mod close over."""
+    and the arrays score_mod and mask_mod close over. A `sides.split` mask_mod's row and
+    column values take the segment ids' place (`Tiling.segments`)."""
     q_seg = kv_seg = ranges = None
-    if t.segments:
+    if extras.q_segment_ids is not None:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
         kv_seg = common.pad_segment_ids(extras.kv_segment_ids, k_len)
     if t.ranges:
@@ -218,6 +231,8 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
             # Tiles the masks leave empty are never loaded; those they leave full are unmasked.
             blocks=_block_flags(extras, t.block_q, t.block_kv, q_len, k_len),
         )
+    if t.mask_mod is not None and t.mask_mod.sides:
+        q_seg, kv_seg = sides.values(t.mask_mod, extras.mask_consts, batch, q_len, k_len)
     order = None
     if not by_key_block and mosaic_common.takes_pair_order(t):
         order = mosaic_common.pair_order(ranges, t.spec, t.block_q, t.block_kv, k_len // t.block_kv)

@@ -48,8 +48,11 @@ class Tiling:
       ranges: the kernels take per-tile ranges (int32 [B, n_tiles, masks.RANGE_FIELDS]
         from `masks.dynamic_ranges`, for q/kv lengths and segment ids; the input after the
         slopes): each tile's range is cut to them and keys past a row's kv length masked.
-      segments: the kernels take q and kv segment ids (int32 [B, Tqp], [B, Tkp], after the
-        ranges) and mask the pairs of different ids on boundary tiles.
+      segments: the kernels take an int32 vector per query and per key position ([B, Tqp],
+        [B, Tkp], after the ranges), streamed beside Q and K: the segment ids, whose pairs
+        of different ids are masked on boundary tiles, or, for a mask_mod split by
+        `sides.split` (`mask_mod.sides`), the values it reads per row and per column, which
+        it takes after kv_idx.
       dropout_rate: if > 0, the kernels take the dropout seed (uint32 [2], the last input)
         and drop attention weights with `flashjax.dropout`'s counter-based keep mask, the
         Triton kernels' bits for the same seed.
@@ -61,6 +64,7 @@ class Tiling:
       score_mod, mask_mod: the user functions (`flex.Mod`), or None; the arrays they close
         over are the last inputs (`OptionalInputs.score_consts` / `mask_consts`). score_mod
         applies to every tile, mask_mod on the boundary tiles (a block mask's partial ones).
+        A mask_mod that reads closed-over arrays per position is the `sides.split` one.
       sinks: the forward kernel takes a sink logit per head (float32 [H], the input after
         the slopes) that starts every row's running max and sum (attention sinks). The
         backward kernels take none: the forward's lse includes the sink, so their
@@ -498,14 +502,19 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
     [block_kv, block_q] with `transposed`. The mask itself is `spec.allowed` (with the batch
     row's `kv_length`, if given), with segment ids (`segment_vector`s of the tile's
     queries and keys) equal ids, and with `mask_mod` its value (batch row, head and arrays
-    in `mod`)."""
+    in `mod`; a `sides.split` mask_mod takes q_seg and kv_seg as its row and column values,
+    and no ids are compared)."""
     rows, cols = _positions(s.shape, q_start, k_start, transposed)
     allowed = spec.allowed(rows, cols, kv_length)
-    if mask_mod is not None:
-        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols, inline=True)
+    vectors = ()
     if q_seg is not None:
         q_dim, k_dim = (1, 0) if transposed else (0, 1)
-        allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
+        vectors = (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]), lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
+    if mask_mod is not None:
+        values = vectors if mask_mod.sides else ()
+        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols, *values, inline=True)
+    if vectors and not (mask_mod is not None and mask_mod.sides):
+        allowed = allowed & (vectors[0] == vectors[1])
     return jnp.where(allowed, s, -jnp.inf)
 
 
