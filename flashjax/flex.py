@@ -93,20 +93,28 @@ class Mod:
     def __hash__(self):
         return hash(self._key())
 
+    @functools.cached_property
+    def uses_positions(self) -> tuple[bool, ...]:
+        """Whether the result depends on q_idx, on kv_idx (and with `sides`, on the row value,
+        on the column value)."""
+        return tuple(_used_inputs(self.jaxpr)[(1 if self.name == SCORE_MOD else 0) + 2:])
+
     def bind(self, consts) -> Callable:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
-    def tile(self, refs, *args, grad: bool = False, inline: bool = False):
+    def tile(self, refs, *args, grad: bool = False, inline: bool = False, shape: tuple | None = None):
         """Evaluates the function on a tile inside a kernel.
 
         Args:
           refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
           args: (score,) batch, head, q_idx, kv_idx (and with `sides` the row and column
-            values); broadcastable arrays or scalars.
+            values); broadcastable arrays, `Along` vectors or scalars.
           grad: also return d score_mod / d score at each element (score_mod only).
           inline: evaluate every nested call (jit, custom_jvp) equation by equation: Mosaic
             GPU has no lowering rule for custom_jvp calls (jnp functions built on them).
+          shape: the tile's shape, where `args` may not span it (`Along` vectors, unused
+            positions passed as scalars); by default the broadcast of the arrays.
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
@@ -114,11 +122,11 @@ class Mod:
         """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
         if grad and self.additive:
-            return _evaluate_tile(self.jaxpr, consts, args, inline)[0], None
+            return _evaluate_tile(self.jaxpr, consts, args, inline, shape)[0], None
         if grad:
             jaxpr, own = self._value_and_slope
-            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), inline))
-        return _evaluate_tile(self.jaxpr, consts, args, inline)[0]
+            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), inline, shape))
+        return _evaluate_tile(self.jaxpr, consts, args, inline, shape)[0]
 
     @functools.cached_property
     def _read_sides(self) -> dict:
@@ -332,40 +340,75 @@ def _evaluate(jaxpr, consts, args) -> list:
     return [read(x) for x in jaxpr.outvars]
 
 
-def _evaluate_tile(jaxpr, consts, args, inline: bool = False) -> list:
-    """Evaluates a scalar jaxpr on a tile: `args` are scalars or arrays that broadcast against
-    each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]); the results have
-    the tile's full shape.
+class Along(NamedTuple):
+    """A `Mod.tile` argument that varies along one axis of the tile only: `values` [n], the
+    tile's n positions along `axis`. Mosaic GPU holds a row's or a column's values in a
+    register layout of their own, with no size-1 axis to broadcast along."""
 
-    Each equation runs, vmapped, at the broadcast shape of its own operands only, so that a
-    value of the rows alone (a row's document id read from a closed-over array) is computed
-    and loaded once per row, not once per score: a [bq, bk] gather would stage its indices
-    and values through shared memory. `inline`: see `Mod.tile`.
+    values: Any
+    axis: int
+
+
+def _evaluate_tile(jaxpr, consts, args, inline: bool = False, shape: tuple | None = None) -> list:
+    """Evaluates a scalar jaxpr on a tile: `args` are scalars, arrays that broadcast against
+    each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]) or `Along` vectors;
+    the results have the tile's full shape (`shape`, or the broadcast of the arrays).
+
+    Each equation runs, vmapped, on the tile axes its operands vary along and at the
+    broadcast shape of its own operands only, so that a value of the rows alone (a row's
+    document id read from a closed-over array, a position converted to float) is computed
+    once per row, not once per score: a [bq, bk] gather would stage its indices and values
+    through shared memory. `inline`: see `Mod.tile`.
     """
-    arrays = [a for a in args if not isinstance(a, _ConstRef) and jnp.ndim(a) > 0]
-    rank = max((jnp.ndim(a) for a in arrays), default=0)
-    tile = jnp.broadcast_shapes(*(jnp.shape(a) for a in arrays))
-    # A value is (array, batched): batched ones carry `rank` leading tile axes (some of size 1).
+    arrays = [a for a in args if not isinstance(a, (_ConstRef, Along)) and jnp.ndim(a) > 0]
+    rank = len(shape) if shape is not None else max(
+        [jnp.ndim(a) for a in arrays] + [a.axis + 1 for a in args if isinstance(a, Along)], default=0)
+    # A value is (array, axes): its leading dims span the tile axes `axes` (increasing; an
+    # array argument spans all `rank`, some of size 1), the rest are the element's own.
     inputs = []
     for a in args:
-        if isinstance(a, _ConstRef) or jnp.ndim(a) == 0:
-            inputs.append((a, False))
+        if isinstance(a, Along):
+            inputs.append((a.values, (a.axis,)))
+        elif isinstance(a, _ConstRef) or jnp.ndim(a) == 0:
+            inputs.append((a, ()))
         else:
             if jnp.ndim(a) < rank:
                 shape = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
                 a = lax.broadcast_in_dim(a, shape, tuple(range(rank - jnp.ndim(a), rank)))
-            inputs.append((a, True))
-    outs = _evaluate_batched(jaxpr, [(c, False) for c in consts], inputs, rank, inline)
-    return [jnp.broadcast_to(v, tile + tuple(jnp.shape(v)[rank:] if batched else jnp.shape(v)))
-            if rank else v for v, batched in outs]
+            inputs.append((a, tuple(range(rank))))
+    everything = tuple(range(rank))
+    tile = tuple(shape) if shape is not None else _span(inputs, everything)
+    outs = _evaluate_batched(jaxpr, [(c, ()) for c in consts], inputs, inline)
+    return [(jnp.broadcast_to(v, tile + jnp.shape(v)) if not axes else _expand(v, axes, everything, tile))
+            if rank else v for v, axes in outs]
 
 
-def _evaluate_batched(jaxpr, consts, args, rank: int, inline: bool = False) -> list:
-    """`_evaluate` on (value, batched) pairs (see `_evaluate_tile`)."""
+def _span(values, axes: tuple) -> tuple:
+    """The broadcast extent of (value, axes) pairs along the tile axes `axes`."""
+    size = dict.fromkeys(axes, 1)
+    for v, own in values:
+        for i, axis in enumerate(own):
+            size[axis] = max(size[axis], jnp.shape(v)[i])
+    return tuple(size[a] for a in axes)
+
+
+def _expand(v, axes: tuple, to_axes: tuple, extent: tuple):
+    """A value spanning tile `axes` broadcast to span `to_axes` (a superset) at `extent`."""
+    shape = extent + tuple(jnp.shape(v)[len(axes):])
+    if tuple(jnp.shape(v)) == shape:
+        return v
+    if axes == to_axes:
+        return jnp.broadcast_to(v, shape)
+    dims = [to_axes.index(a) for a in axes] + list(range(len(to_axes), len(shape)))
+    return lax.broadcast_in_dim(v, shape, dims)
+
+
+def _evaluate_batched(jaxpr, consts, args, inline: bool = False) -> list:
+    """`_evaluate` on (value, axes) pairs (see `_evaluate_tile`)."""
     env = {}
 
     def read(x):
-        return (x.val, False) if isinstance(x, jex_core.Literal) else env[x]
+        return (x.val, ()) if isinstance(x, jex_core.Literal) else env[x]
 
     for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
         env[var] = value
@@ -376,28 +419,30 @@ def _evaluate_batched(jaxpr, consts, args, rank: int, inline: bool = False) -> l
         if inner is not None:
             # A nested call that reads a closed-over array: inline it, keeping the batching.
             jaxpr_, consts_ = inner
-            outs = _evaluate_batched(jaxpr_, [(c, False) for c in consts_], ins, rank, inline)
-        elif not any(batched for _, batched in ins):
+            outs = _evaluate_batched(jaxpr_, [(c, ()) for c in consts_], ins, inline)
+        elif not any(axes for _, axes in ins):
             run = _with_refs if has_ref else _bind
-            outs = [(o, False) for o in run(eqn, [v for v, _ in ins])]
+            outs = [(o, ()) for o in run(eqn, [v for v, _ in ins])]
         else:
-            outs = [(o, True) for o in _vmapped_equation(eqn, ins, rank, has_ref)]
+            axes = tuple(sorted(set().union(*(axes for _, axes in ins))))
+            outs = [(o, axes) for o in _vmapped_equation(eqn, ins, axes, has_ref)]
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
     return [read(x) for x in jaxpr.outvars]
 
 
-def _vmapped_equation(eqn, ins, rank: int, has_ref: bool) -> list:
-    """One equation on the broadcast of its batched operands' tile axes, vmapped over them."""
-    shape = jnp.broadcast_shapes(*(jnp.shape(v)[:rank] for v, batched in ins if batched))
-    batched_values = [jnp.broadcast_to(v, shape + tuple(jnp.shape(v)[rank:])) for v, batched in ins if batched]
+def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
+    """One equation on the broadcast of its batched operands over the tile `axes` they vary
+    along, vmapped over them."""
+    extent = _span([(v, own) for v, own in ins if own], axes)
+    batched_values = [_expand(v, own, axes, extent) for v, own in ins if own]
     run = _with_refs if has_ref else _bind
 
     def one(*values):
         values = iter(values)
-        return tuple(run(eqn, [next(values) if batched else v for v, batched in ins]))
+        return tuple(run(eqn, [next(values) if own else v for v, own in ins]))
 
-    for _ in range(rank):
+    for _ in axes:
         one = jax.vmap(one)
     return list(one(*batched_values))
 

@@ -890,6 +890,36 @@ def test_split_mask_mods_equal_the_user_function(name, rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("fn, name", [
+    pytest.param(mods.alibi(jnp.array([0.5, 0.25]), offset=3), flex.SCORE_MOD, id="alibi"),
+    pytest.param(mods.tanh_softcap(4.0), flex.SCORE_MOD, id="score-only"),
+    pytest.param(mods.chunked(5), flex.MASK_MOD, id="chunked"),
+    pytest.param(lambda b, h, i, j: (i % 3 == 0) | (h == 1), flex.MASK_MOD, id="rows-only"),
+    pytest.param(lambda b, h, i, j: j < 30, flex.MASK_MOD, id="columns-only"),
+])
+def test_tile_evaluation_on_row_and_column_vectors(fn, name, transposed, rng):
+    """`Mod.tile` on `flex.Along` vectors (the Hopper kernels' rows and columns, either tile
+    orientation) equals it on broadcastable [bq, 1] / [1, bk] arrays (the Triton kernels') and
+    the XLA evaluation."""
+    mod, consts = flex.trace(fn, name)
+    bq, bk, q0, k0 = 16, 24, 40, 8
+    rows, cols = jnp.arange(bq, dtype=jnp.int32) + q0, jnp.arange(bk, dtype=jnp.int32) + k0
+    score = jnp.asarray(rng.standard_normal((bq, bk)) * 3.0, jnp.float32)
+    lead = (score,) if name == flex.SCORE_MOD else ()
+    want = mod.tile(consts, *lead, 0, 1, rows[:, None], cols[None, :])
+    # As the Hopper kernels call it: a position the mod does not use passed as 0, the tile's shape given.
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    uses_q, uses_k = mod.uses_positions
+    positions = (flex.Along(rows, q_dim) if uses_q else 0, flex.Along(cols, k_dim) if uses_k else 0)
+    shape = (bk, bq) if transposed else (bq, bk)
+    got = mod.tile(consts, *(x.T if transposed else x for x in lead), 0, 1, *positions, shape=shape)
+    got = got.T if transposed else got
+    np.testing.assert_array_equal(got, want)
+    i, j = jnp.meshgrid(rows, cols, indexing="ij")
+    np.testing.assert_array_equal(want, flex.elementwise(mod.bind(consts), *lead, 0, 1, i, j))
+
+
 @pytest.mark.parametrize("mask_mod, why", [
     pytest.param(lambda b, h, i, j: TABLE[h, i - j + 64] > 0, "both q_idx and kv_idx", id="pair-read"),
     pytest.param(lambda b, h, i, j: TABLE[h, i] == TABLE[h, j], "depends on the head", id="per-head-row"),

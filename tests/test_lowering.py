@@ -459,6 +459,11 @@ MOSAIC_FLEX_CASES = {
     "documents-window-mask-mod": lambda slopes: dict(
         mask_mod=lambda b, h, i, j: ((Q_DOCS[b, i] == KV_DOCS[b, j]) & (j <= i + SEQ_K - SEQ_Q)
                                      & (i + SEQ_K - SEQ_Q - j <= 300))),
+    # a flag read per row only (the column vector streams, unused)
+    "row-flags-mask-mod": lambda slopes: dict(mask_mod=lambda b, h, i, j: (Q_DOCS[b, i] != 2) | (j <= i)),
+    # functions of one side only: keys below a per-batch bound, every 7th query row dropped
+    "one-sided-mods": lambda slopes: dict(mask_mod=lambda b, h, i, j: j < jnp.array([5, 300])[b],
+                                          score_mod=lambda s, b, h, i, j: jnp.where(i % 7 == 3, -jnp.inf, s)),
     # a per-head band: the block mask differs per head (the ranges take every head's tiles)
     "per-head-band-mask-mod": lambda slopes: dict(
         mask_mod=lambda b, h, i, j: (i - j <= jnp.array([64, 128, 256, 4096])[h]) & (j - i <= 64), window=(500, 500)),

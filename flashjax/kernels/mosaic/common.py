@@ -442,8 +442,9 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     """
     dlogits = None
     if t.score_mod is not None:
-        rows, cols = _positions(s.shape, q_start, k_start, transposed)
-        out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad, inline=True)
+        rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
+        out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad, inline=True,
+                               shape=s.shape)
         s, dlogits = out if grad else (out, None)
     if t.softcap is not None:
         # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
@@ -485,6 +486,17 @@ def _position_vector(shape, dim: int, start):
     return plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - dim)) + start
 
 
+def _mod_positions(mod: flex.Mod, shape, q_start, k_start, transposed: bool):
+    """The query and key positions of a tile as `mod` takes them: `flex.Along` vectors, so
+    that what a mod computes from one side alone is computed once per row or column (a
+    position converted to float, a chunk index); 0 for a position it does not use (Mosaic
+    GPU's layout inference fails on a vector nothing uses)."""
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    uses_q, uses_k = mod.uses_positions[:2]
+    return (flex.Along(_position_vector(shape, q_dim, q_start), q_dim) if uses_q else 0,
+            flex.Along(_position_vector(shape, k_dim, k_start), k_dim) if uses_k else 0)
+
+
 def _positions(shape, q_start, k_start, transposed: bool):
     """Query and key positions of each entry of a [block_q, block_kv] tile (or, transposed,
     [block_kv, block_q]) in the wgmma register layout."""
@@ -506,15 +518,17 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
     and no ids are compared)."""
     rows, cols = _positions(s.shape, q_start, k_start, transposed)
     allowed = spec.allowed(rows, cols, kv_length)
-    vectors = ()
-    if q_seg is not None:
-        q_dim, k_dim = (1, 0) if transposed else (0, 1)
-        vectors = (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]), lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
+    q_dim, k_dim = (1, 0) if transposed else (0, 1)
     if mask_mod is not None:
-        values = vectors if mask_mod.sides else ()
-        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols, *values, inline=True)
-    if vectors and not (mask_mod is not None and mask_mod.sides):
-        allowed = allowed & (vectors[0] == vectors[1])
+        values = ()
+        if mask_mod.sides:
+            uses_row, uses_col = mask_mod.uses_positions[2:]
+            values = (flex.Along(q_seg, q_dim) if uses_row else 0, flex.Along(kv_seg, k_dim) if uses_col else 0)
+        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head,
+                                          *_mod_positions(mask_mod, s.shape, q_start, k_start, transposed), *values,
+                                          inline=True, shape=s.shape)
+    if q_seg is not None and not (mask_mod is not None and mask_mod.sides):
+        allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
     return jnp.where(allowed, s, -jnp.inf)
 
 
