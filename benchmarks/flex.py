@@ -33,8 +33,8 @@ Implementations (cells of one row: a case at one T):
 * ``flashjax_builtin``: the built-in option, on the same backend;
 * ``flashjax_mosaic``, ``flashjax_mosaic_builtin``: the same two on the Hopper kernels
   (``backend="mosaic"``), the block mask built at their 64 x 64 tiles. A mod the Hopper
-  kernels cannot evaluate (a closed-over array read per position: the document ids, the
-  T5 table) is recorded "unsupported" with the reason;
+  kernels cannot evaluate (a closed-over array read at a pair of positions: the T5 table)
+  is recorded "unsupported" with the reason;
 * ``torch_flex``: PyTorch's ``flex_attention`` under ``torch.compile(dynamic=False)``
   (default mode and kernel options) with ``create_block_mask`` built outside the timed
   call, in a subprocess (benchmarks/torch_flex.py) that runs before JAX claims the GPU.
