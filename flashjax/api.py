@@ -169,6 +169,11 @@ def flash_attention(
         backward_config=choice.backward_config,
     )
     with jax.named_scope("flash_attention"):
+        if isinstance(q, jax.core.Tracer):
+            # Inside the caller's trace, before `_attention`'s: what the kernels derive from
+            # inputs that are constants there (a block mask built outside jit) is computed
+            # once, at trace time, instead of in every call of the compiled program.
+            extras = autodiff.prepare(q, k, v, extras, params)
         out, lse = _attention(q, k, v, extras, params)
     return (out, lse) if return_lse else out
 

@@ -34,9 +34,16 @@ def attention(q, k, v, extras: Extras, params: AttentionParams):
     forward = backends.get(params.backend)
     if forward.differentiable and params.backward_backend == params.backend:
         return forward.forward(q, k, v, extras, params, params.config)
-    if forward.prepare is not None:
-        extras = forward.prepare(q, k, v, extras, params, params.config)
-    return _attention(q, k, v, extras, params)
+    return _attention(q, k, v, prepare(q, k, v, extras, params), params)
+
+
+def prepare(q, k, v, extras: Extras, params: AttentionParams) -> Extras:
+    """The forward backend's `prepare` (what its kernels derive from the inputs, shared by
+    the forward and the backward); the extras unchanged without one. Idempotent."""
+    forward = backends.get(params.backend)
+    if forward.prepare is None or (forward.differentiable and params.backward_backend == params.backend):
+        return extras
+    return forward.prepare(q, k, v, extras, params, params.config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

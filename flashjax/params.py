@@ -33,6 +33,8 @@ class Extras(NamedTuple):
         differentiable.
       block_mask: a `flex.BlockMask` (which tile pairs mask_mod empties or fills); the
         Triton glue folds it into `ranges`.
+      tile_inputs: a backend's per-kernel inputs derived from the others (tile ranges, their
+        order), computed by its `prepare` before the custom_vjp (kernel side only).
     """
 
     ranges: Array = None
@@ -48,6 +50,7 @@ class Extras(NamedTuple):
     score_consts: Any = None
     mask_consts: Any = None
     block_mask: Any = None
+    tile_inputs: Any = None
 
 
 # The names of the optional arrays a call may use, as `Call.arrays` lists them.

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.triton import pallas_call_registration
 
-from flashjax import MosaicConfig, TritonConfig, autodiff, backends, reference
+from flashjax import MosaicConfig, TritonConfig, autodiff, backends, mods, reference
 from flashjax.params import AttentionParams, DecodeParams, Extras, KVCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -495,3 +495,30 @@ def test_flex_lowers_to_mosaic_for_sm90(on_hopper, case):
     q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
     k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
     assert not score_sized(tensor_shapes(text), q_lens, k_lens)
+
+
+def test_constant_block_mask_is_folded_at_trace_time(on_hopper):
+    """A block mask built outside jit (and a mask_mod's closed-over ids) are constants of the
+    caller's trace: the Hopper kernels' tile ranges and pair order are computed from them
+    once, when the call is traced, and the compiled program computes nothing around the
+    kernels. Built inside jit from traced ids, the same call computes them in the program."""
+    import flashjax
+
+    q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
+    block_mask = flashjax.block_mask(mods.document_window(ids, 100), 2, 1, 1024, 1024, block_q=64, block_k=64)
+
+    def ops(fn, *args):
+        text = jax.jit(jax.grad(fn)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(MOSAIC_CALL) == 3
+        names = re.findall(r"stablehlo\.(\w+)", text)
+        return {name: names.count(name) for name in ("sort", "reduce", "gather")}
+
+    def loss(q, block_mask):
+        return jnp.sum(flashjax.flash_attention(q, q, q, backend="mosaic", block_mask=block_mask).astype(jnp.float32))
+
+    folded = ops(lambda q: loss(q, block_mask), q)
+    assert folded == {"sort": 0, "reduce": 0, "gather": 0}, folded
+    traced = ops(lambda q, ids: loss(q, flashjax.block_mask(mods.document_window(ids, 100), 2, 1, 1024, 1024,
+                                                             block_q=64, block_k=64)), q, ids)
+    assert traced["sort"] >= 1 and traced["reduce"] > 1, traced

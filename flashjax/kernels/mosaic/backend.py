@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from flashjax import backends, flex, masks, sides
@@ -210,15 +212,41 @@ def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
     return jnp.pad(combined, widths)
 
 
+class TileInputs(NamedTuple):
+    """A kernel's inputs derived from the call's lengths, segment ids, mask and block mask
+    (`_tile_inputs`); None where the tiling takes none."""
+
+    ranges: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    pair_order: Any = None
+
+
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, dtype, *,
-              by_key_block: bool = False) -> OptionalInputs:
+              by_key_block: bool = False, kernel: str = "") -> OptionalInputs:
     """The kernels' optional inputs at tiling `t` on inputs padded to q_len / k_len: the ALiBi
-    slopes, the segment ids (`common.pad_segment_ids`), the lengths and segments folded into
+    slopes, the `_tile_inputs` (those `prepare` computed for `kernel`, if it did), the bias
+    with the mask (`_kernel_bias`), and the arrays score_mod and mask_mod close over."""
+    tiles = (extras.tile_inputs or {}).get(kernel)
+    if tiles is None:
+        tiles = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len, by_key_block=by_key_block)
+    return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=tiles.ranges,
+                          q_segment_ids=tiles.q_segment_ids, kv_segment_ids=tiles.kv_segment_ids,
+                          bias=_kernel_bias(extras, dtype, q_len, k_len),
+                          dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
+                          score_consts=extras.score_consts if t.score_mod is not None else None,
+                          mask_consts=extras.mask_consts if t.mask_mod is not None else None,
+                          pair_order=tiles.pair_order)
+
+
+def _tile_inputs(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, *,
+                 by_key_block: bool = False) -> TileInputs:
+    """The segment ids (`common.pad_segment_ids`), the lengths and segments folded into
     per-tile ranges (`masks.dynamic_ranges`, the Triton kernels' too), by query tile or, for
     the dK/dV kernel, by key tile (narrowed to the tiles a mask shared by the heads and the
-    block mask leave non-empty, `_block_flags`), the bias with the mask (`_kernel_bias`),
-    and the arrays score_mod and mask_mod close over. A `sides.split` mask_mod's row and
-    column values take the segment ids' place (`Tiling.segments`)."""
+    block mask leave non-empty, `_block_flags`), and the order of the query-tile pairs. A
+    `sides.split` mask_mod's row and column values take the segment ids' place
+    (`Tiling.segments`)."""
     q_seg = kv_seg = ranges = None
     if extras.q_segment_ids is not None:
         q_seg = common.pad_segment_ids(extras.q_segment_ids, q_len)
@@ -236,21 +264,34 @@ def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_l
     order = None
     if not by_key_block and mosaic_common.takes_pair_order(t):
         order = mosaic_common.pair_order(ranges, t.spec, t.block_q, t.block_kv, k_len // t.block_kv)
-    return OptionalInputs(slopes=extras.alibi_slopes, sinks=extras.sinks if t.sinks else None, ranges=ranges,
-                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=_kernel_bias(extras, dtype, q_len, k_len),
-                          dropout_seed=extras.dropout_seed if t.dropout_rate > 0.0 else None,
-                          score_consts=extras.score_consts if t.score_mod is not None else None,
-                          mask_consts=extras.mask_consts if t.mask_mod is not None else None,
-                          pair_order=order)
+    return TileInputs(ranges, q_seg, kv_seg, order)
 
 
 def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> Extras:
     """The registry's hook before the custom_vjp: a mask_mod's block mask, built once for the
     forward and the backward at the finest of the kernels' tiles (each kernel re-tiles it
-    exactly, `flex.tile_flags`): one evaluation of mask_mod per tile pair. A direct kernel
-    call builds it in `forward` / `backward`."""
-    return flex.with_block_mask(extras, params.mask_mod, q.shape, k.shape[1], min(config.block_q, config.bwd_block_q),
-                                min(config.block_kv, config.bwd_block_kv, config.dq_block_kv))
+    exactly, `flex.tile_flags`): one evaluation of mask_mod per tile pair; then each
+    kernel's `_tile_inputs`. Those are computed at trace time where their inputs are
+    constants (a block mask built once outside `jit` and passed as `block_mask`, as
+    FlexAttention users build theirs): the compiled call then reads them and computes
+    nothing around the kernels. A direct kernel call builds both in `forward` / `backward`."""
+    if extras.tile_inputs is not None:
+        return extras
+    batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
+    extras = flex.with_block_mask(extras, params.mask_mod, q.shape, seq_k, min(config.block_q, config.bwd_block_q),
+                                  min(config.block_kv, config.bwd_block_kv, config.dq_block_kv))
+    tiles = {}
+    # Not around the block mask's build: it may run a Pallas kernel, whose body must be traced.
+    with jax.ensure_compile_time_eval():
+        if params.backend == BACKEND.name and isinstance(params.config, MosaicConfig):
+            t, q_len, k_len = _forward_tiling(q, k, v, extras, params, params.config)
+            tiles["fwd"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len)
+        if params.backward_backend == BACKEND.name and isinstance(params.backward_config, MosaicConfig):
+            t, t_dq, q_len, k_len, accumulate = _backward_tilings(q, k, v, extras, params, params.backward_config)
+            if not accumulate:
+                tiles["dkv"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len, by_key_block=True)
+                tiles["dq"] = _tile_inputs(extras, t_dq, batch, seq_q, seq_k, q_len, k_len)
+    return extras._replace(tile_inputs=tiles)
 
 
 def _drop_padded_rows(o, lse, q_lengths):
@@ -273,39 +314,24 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
     return config.forward_schedule(params.causal)
 
 
-def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns o [B, Tq, H, Dv] and the natural-log lse [B, H, Tq] (-inf for rows that see no key;
-    with sinks, the sink's logit)."""
-    extras = prepare(q, k, v, extras, params, config)
-    seq_q, seq_k, v_head_dim = q.shape[1], k.shape[1], v.shape[3]
+def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> tuple[Tiling, int, int]:
+    """The forward kernel's tiling, and the lengths it pads the queries and keys to."""
+    seq_q, seq_k = q.shape[1], k.shape[1]
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
-    dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v_head_dim)
     t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
-    if t.bias and dim == 128 and t.block_kv > 64:
+    if t.bias and padded_head_dim(q.shape[3]) == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
         # head dim 128; 64-key tiles fit with a stage more.
         t = dataclasses.replace(t, block_kv=64, stages=t.stages + 1)
-    q_len = common.round_up(seq_q, COMPUTE_WGS * t.block_q)
-    k_len = common.round_up(seq_k, t.block_kv)
-    pad = common.pad_tokens
-    o, lse2 = mosaic_fwd.forward(
-        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, v_dim), t, _forward_schedule(config, params, t),
-        _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype),
-    )
-    return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
+    return t, common.round_up(seq_q, COMPUTE_WGS * t.block_q), common.round_up(seq_k, t.block_kv)
 
 
-def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """Returns (dq, dk, dv, Extras(bias=dbias, sinks=dsinks, score_consts=...)) given the forward's
-    o and lse and the cotangents of both (the ALiBi slopes get no gradient). dbias (float32, in
-    the bias's broadcast shape) comes from the Triton backend's dbias kernel, the gradients of
-    the float arrays score_mod closes over from its XLA computation (`score_consts_grad`):
-    separate computations that XLA drops when those gradients are not used. dsinks is a sum
-    over the rows of lse and delta (`sinks_grad`); the kernels need no sinks, the lse holds them."""
-    extras = prepare(q, k, v, extras, params, config)
-    seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
-    dim, v_dim = padded_head_dim(head_dim), padded_head_dim(v_head_dim)
+def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
+    """(the dK/dV kernel's tiling, the dQ kernel's, the padded query and key lengths, whether
+    the fused "accumulate" kernel runs instead of the two)."""
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
     t = dataclasses.replace(_tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages), sinks=False)
     # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), every key
@@ -323,6 +349,35 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
         # The dQ kernel takes query tiles in pairs.
         q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
         k_len = common.round_up(seq_k, math.lcm(pair, dq_block_kv))
+    return t, dataclasses.replace(t, block_kv=dq_block_kv), q_len, k_len, accumulate
+
+
+def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
+    """Returns o [B, Tq, H, Dv] and the natural-log lse [B, H, Tq] (-inf for rows that see no key;
+    with sinks, the sink's logit)."""
+    extras = prepare(q, k, v, extras, params, config)
+    seq_q, seq_k, v_head_dim = q.shape[1], k.shape[1], v.shape[3]
+    dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v_head_dim)
+    t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config)
+    pad = common.pad_tokens
+    o, lse2 = mosaic_fwd.forward(
+        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, v_dim), t, _forward_schedule(config, params, t),
+        _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="fwd"),
+    )
+    return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
+
+
+def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams, config: MosaicConfig):
+    """Returns (dq, dk, dv, Extras(bias=dbias, sinks=dsinks, score_consts=...)) given the forward's
+    o and lse and the cotangents of both (the ALiBi slopes get no gradient). dbias (float32, in
+    the bias's broadcast shape) comes from the Triton backend's dbias kernel, the gradients of
+    the float arrays score_mod closes over from its XLA computation (`score_consts_grad`):
+    separate computations that XLA drops when those gradients are not used. dsinks is a sum
+    over the rows of lse and delta (`sinks_grad`); the kernels need no sinks, the lse holds them."""
+    extras = prepare(q, k, v, extras, params, config)
+    seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
+    dim, v_dim = padded_head_dim(head_dim), padded_head_dim(v_head_dim)
+    t, t_dq, q_len, k_len, accumulate = _backward_tilings(q, k, v, extras, params, config)
     lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, v_dim)
@@ -337,11 +392,11 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
             dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
         dq = (dq * params.scale).astype(q.dtype)
     else:
-        t_dq = dataclasses.replace(t, block_kv=dq_block_kv)
         dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
-                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True))
+                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True,
+                                          kernel="dkv"))
         dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
-                           _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype))
+                           _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="dq"))
         dq = dq[:, :seq_q, :, :head_dim]
     dbias = score_consts = dsinks = None
     if extras.bias is not None:
