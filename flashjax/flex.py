@@ -373,8 +373,8 @@ def _evaluate_tile(jaxpr, consts, args, inline: bool = False, shape: tuple | Non
             inputs.append((a, ()))
         else:
             if jnp.ndim(a) < rank:
-                shape = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
-                a = lax.broadcast_in_dim(a, shape, tuple(range(rank - jnp.ndim(a), rank)))
+                padded = (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))
+                a = lax.broadcast_in_dim(a, padded, tuple(range(rank - jnp.ndim(a), rank)))
             inputs.append((a, tuple(range(rank))))
     everything = tuple(range(rank))
     tile = tuple(shape) if shape is not None else _span(inputs, everything)
