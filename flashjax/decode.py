@@ -55,7 +55,9 @@ def decode_attention(
     sequence's keys over several programs (flash-decoding), reads every K/V byte once per
     kv head for all the query heads of its group, follows the page table in the kernel,
     skips the tiles past each length or outside the window, and dequantises float8 tiles
-    in registers; the splits are merged exactly through their logsumexps.
+    in registers (with bfloat16 or float16 queries its products then run in float16, q
+    scaled by a power of two per row); the splits are merged exactly through their
+    logsumexps.
 
     Example::
 

@@ -179,6 +179,39 @@ def test_float8_cache(rng, page_size, scales, q_len, dtype):
     check(draw_q(rng, 2, q_len, 4, dtype), cache, lengths)
 
 
+def test_float8_cache_queries_far_outside_float16(rng):
+    """bfloat16 queries against a float8 cache run their products in float16: rows whose
+    magnitudes float16 cannot hold (1e30, 1e-30, 0) still give the reference's attention."""
+    cache = make_cache(rng, 2, 128, 2, BF16, scales="head")
+    q = np.array(draw_q(rng, 2, 3, 4, F32))
+    q[0, 0] *= 1e30 / np.abs(q[0, 0]).max()  # logits ~1e30: one key takes all the weight
+    q[0, 1] *= 1e-30
+    q[1, 2] = 0.0
+    q[1, 0, 1] *= 300.0  # one head past float16's range, the group's others not
+    check(jnp.asarray(q).astype(BF16), cache, [128, 77])
+
+
+@pytest.mark.parametrize("shift", [0, 20, -20, 120, -120])
+def test_float16_rows(rng, shift):
+    """Rows scaled by their own power of two: exact for bfloat16 values within 2**-28 of the
+    row's largest, the largest in [2**14, 2**15), and the factor undoes the scaling (rows
+    below 2**-111 are only scaled by 2**126: the -120 case checks them to an absolute bound)."""
+    rows = jnp.asarray(rng.standard_normal((3, 5, 64)) * 2.0**shift, jnp.float32).astype(BF16)
+    rows = rows.at[1, 2].set(0.0)
+    scaled, unscale = triton_decode.float16_rows(rows)
+    assert scaled.dtype == F16 and unscale.shape == rows.shape[:-1]
+    back = np.asarray(scaled, np.float64) * np.asarray(unscale, np.float64)[..., None]
+    want = np.asarray(rows, np.float64)
+    largest = np.abs(want).max(-1, keepdims=True)
+    if shift > -111:
+        within = np.abs(want) >= largest * 2.0**-28
+        np.testing.assert_array_equal(back[within], want[within])
+        top = np.abs(np.asarray(scaled, np.float64)).max(-1)
+        assert np.all((top >= 2.0**14) & (top < 2.0**15) | (largest[..., 0] == 0))
+    # float32 subnormals (below 2**-126) may be flushed to zero by XLA's arithmetic.
+    np.testing.assert_allclose(back, want, rtol=0, atol=max(float(largest.max()) * 2.0**-38, 2.0**-126))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_num_splits(rng, num_splits):
     """Any number of splits merges to the same attention, splits without tiles included

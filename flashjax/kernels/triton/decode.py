@@ -23,9 +23,14 @@ and writes a partial output and its logsumexp; the partials are merged exactly i
 * **Paged caches** are read through the page table in the kernel: a key tile is a slice
   of one page (pages >= the tile) or a gather of whole pages (smaller pages); the cache
   is never copied or gathered in HBM.
-* **float8 caches** (float8_e4m3fn) are converted to q's dtype in the kernel (exact) and
-  dequantised in float32: the k scale multiplies q.k, the v scale the weights of P.V
-  (not the softmax sum), per kv head or per page.
+* **float8 caches** (float8_e4m3fn) are converted in the kernel (exactly) and dequantised
+  in float32: the k scale multiplies q.k, the v scale the weights of P.V (not the softmax
+  sum), per kv head or per page. The products run in float16 for bfloat16 and float16
+  queries: float8 converts to float16 in one instruction per pair of values, to bfloat16
+  in four (through float16 and float32), and at small batches those conversions, not HBM,
+  bound the step. bfloat16 queries enter float16 scaled by a power of two per row (see
+  `float16_rows`), and the weights of P.V are rounded to float16 (10 mantissa bits
+  rather than bfloat16's 7).
 """
 
 from __future__ import annotations
@@ -63,6 +68,27 @@ MAX_SPLITS = 128
 TARGET_WAVES = 2
 # Without a GPU (interpret mode, tests): enough splits to run the split path and the merge.
 CPU_SPLITS = 2
+
+
+def float16_rows(q_rows):
+    """bfloat16 query rows [..., D] as float16 times a power of two per row, and its inverse.
+
+    Each row is scaled so that its largest magnitude lies in [2**14, 2**15): every value
+    within 2**-28 of the row's largest converts exactly (bfloat16's 8 significant bits fit
+    float16's 11), smaller ones round to float16's subnormals, a change far below the
+    rounding of the row's largest term of q.k. Rows whose largest magnitude is below
+    2**-111 are scaled by 2**126 only (the factor stays a normal float32). Returns
+    (float16 rows, float32 [...] factor that multiplies q.k back).
+    """
+    magnitude = jnp.max(jnp.abs(q_rows.astype(jnp.float32)), axis=-1)
+    _, exponent = jnp.frexp(magnitude)  # magnitude < 2**exponent (exponent 0 for a zero row)
+    shift = jnp.clip(15 - exponent, -113, 126)  # bfloat16's range; factors normal in float32
+
+    def power_of_two(e):  # exactly 2**e, built from its bits
+        return lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+
+    rows = (q_rows.astype(jnp.float32) * power_of_two(shift)[..., None]).astype(jnp.float16)
+    return rows, power_of_two(-shift)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -112,7 +138,7 @@ def num_splits(*, programs: int, key_tiles: int, sm_count: int) -> int:
     most = max(1, min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT))
     if sm_count <= 0:
         return min(CPU_SPLITS, most)
-    return max(1, min(-(-(TARGET_WAVES * sm_count) // programs), most))
+    return max(1, min(math.ceil(TARGET_WAVES * sm_count / programs), most))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +194,7 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
     float32 at head dim >= 128, whose tiles take twice the registers), reduced to the largest
     power of two dividing a contiguous cache's length, or to the page size of a paged cache
     with pages of >= 64 keys; block_q the rows rounded up to a power
-    of two, <= MAX_BLOCK_Q."""
+    of two, <= MAX_BLOCK_Q; the splits by `num_splits`; num_warps as `DecodeConfig` documents."""
     config = config or DecodeConfig()
     batch, q_len, heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
@@ -191,9 +217,11 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
             block_k = min(block_k, page_size)
     block_q = min(MAX_BLOCK_Q, max(16, next_power_of_two(q_len * group)))
     t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1,
-                     num_warps=config.num_warps, num_stages=config.num_stages)
+                     num_warps=config.num_warps or 4, num_stages=config.num_stages)
     if splits is None:
         splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=-(-capacity // block_k), sm_count=sm_count)
+    if config.num_warps is None and splits == 1 and jnp.dtype(cache.k.dtype).name == FLOAT8:
+        t = dataclasses.replace(t, num_warps=2)
     return dataclasses.replace(t, num_splits=splits)
 
 
@@ -207,8 +235,8 @@ class _CacheRefs(NamedTuple):
     v_scale: object = None
 
 
-def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer: Scorer, t: DecodeTiling,
-                   num_k_tiles: int, scales: str | None):
+def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer: Scorer,
+                   t: DecodeTiling, num_k_tiles: int, scales: str | None):
     batch, head, split, q_tile = (pl.program_id(i) for i in range(4))
     block_q, head_dim = q_ref.shape
     block_k = t.block_k
@@ -225,6 +253,8 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
     tiles = masks.restrict(tiles, lo, lo + per_split)
     precision = scoring.dot_precision(q_ref.dtype)
     q = q_ref[...]
+    # float16 rows of bfloat16 queries (float8 caches): each row's power of two, undone on q.k.
+    q_unscale = None if q_unscale_ref is None else q_unscale_ref[...][:, None]
     # Scales per kv head are one number for the whole loop.
     k_scale = c.k_scale[head] if scales == "head" else None
     v_scale = c.v_scale[head] if scales == "head" else None
@@ -252,6 +282,8 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
         cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         # A float8 tile converts exactly to q's dtype; its scale is applied in float32.
         qk = scoring.dot(q, k.astype(q.dtype), trans_b=True, precision=precision)
+        if q_unscale is not None:
+            qk = qk * q_unscale
         k_factor = k_scale if k_page_scale is None else k_page_scale
         if k_factor is not None:
             qk = qk * k_factor
@@ -299,6 +331,10 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
     q_rows = q.reshape(batch, q_len, kv_heads, t.group, head_dim).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(batch, kv_heads, t.rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - t.rows), (0, 0)))
+    q_unscale = q_unscale_spec = None
+    if jnp.dtype(cache.k.dtype).name == FLOAT8 and q.dtype == jnp.bfloat16:
+        q_rows, q_unscale = float16_rows(q_rows)
+        q_unscale_spec = pl.BlockSpec((None, None, t.block_q), lambda b, h, s, i: (b, h, i))
     scales = _scales_kind(cache)
     if cache.page_table is None:
         capacity = cache.k.shape[1]
@@ -331,6 +367,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         in_specs=[
             pl.BlockSpec((batch,), lambda b, h, s, i: (0,)),
             pl.BlockSpec((None, None, t.block_q, head_dim), lambda b, h, s, i: (b, h, i, 0)),
+            q_unscale_spec,
             ref_specs,
         ],
         out_specs=[
@@ -344,7 +381,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=params.interpret,
         name="flashjax_decode",
-    )(cache.lengths, q_rows, refs)
+    )(cache.lengths, q_rows, q_unscale, refs)
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
