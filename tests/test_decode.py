@@ -136,7 +136,8 @@ def test_contiguous(rng, batch, q_len, heads, kv_heads, capacity, dtype, causal,
 
 # (page_size, pages_per_seq, q_len, heads, kv_heads, dtype, causal, lengths)
 PAGED = [
-    pytest.param(16, 9, 1, 4, 2, BF16, True, [0, 1, 77, 144], id="p16-q1-gqa-bf16"),  # 8 pages per key tile
+    pytest.param(16, 9, 1, 4, 2, BF16, True, [0, 1, 77, 144], id="p16-q1-gqa-bf16"),  # 8 pages per key tile, sliced
+    pytest.param(8, 20, 2, 4, 2, BF16, True, [0, 33, 160], id="p8-q2-gqa-bf16"),  # 16 pages per key tile, gathered
     pytest.param(64, 3, 7, 4, 1, F32, True, [65, 6, 192], id="p64-q7-mqa-f32"),
     pytest.param(256, 2, 1, 2, 2, F16, False, [300, 1], id="p256-q1-f16-full"),  # 2 key tiles per page
 ]
