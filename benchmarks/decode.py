@@ -12,7 +12,10 @@ q_len = 1 the same as none). Cells: batch 1, 8, 64 x context 4k, 32k, 128k x cac
 * ``contiguous``: [B, context, 8, 128] bfloat16;
 * ``paged``: a pool of pages [B * context / page_size, page_size, 8, 128] bfloat16, each
   sequence's pages scattered through it by a random page table (``--page-size``, 64);
-* ``fp8``: the same pool in float8_e4m3fn with a float32 scale per kv head.
+* ``fp8``: the same pool in float8_e4m3fn with a float32 scale per kv head;
+* ``mla``: absorbed multi-head latent attention (DeepSeek-V3's decode): a paged bf16 latent
+  cache [pages, page_size, 1, 576] whose first 512 features are the values (``v_cache=None,
+  v_head_dim=512``), read once for 16 query heads (128 heads over 8 GPUs).
 
 Implementations (a peer that cannot run a cell is recorded "unsupported", one that is not
 installed "unavailable"):
@@ -79,10 +82,13 @@ from flashjax.params import KVCache  # noqa: E402
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 8, 64)
 CONTEXTS = (4096, 32768, 131072)
-CACHES = ("contiguous", "paged", "fp8")
+CACHES = ("contiguous", "paged", "fp8", "mla")
 IMPLS = ("flashjax", "flashjax_mosaic", "xla", "cudnn", "pallas_gqa", "fa3")
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
 SMOKE = dict(batches=(2,), contexts=(256,), heads=4, kv_heads=2, head_dim=32, page_size=16)
+# The mla cells' heads and head dims (values: the latent cache's first v_head_dim features).
+MLA = dict(heads=16, kv_heads=1, head_dim=576, v_head_dim=512)
+SMOKE_MLA = dict(heads=4, kv_heads=1, head_dim=48, v_head_dim=32)
 # HBM bandwidth (bytes/s) by a word of the device name.
 HBM_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}
 XLA_GATHER_LIMIT = 40e9  # bytes the xla path's float32 cache and scores may take
@@ -102,6 +108,7 @@ class DecodeCell:
     kv_heads: int = KV_HEADS
     head_dim: int = HEAD_DIM
     page_size: int = PAGE_SIZE
+    v_head_dim: int | None = None  # the mla cells' values: the keys' first v_head_dim features
 
     @property
     def key(self) -> str:
@@ -109,9 +116,11 @@ class DecodeCell:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K and V a step reads (every sequence holds the whole context)."""
+        """Bytes of K and V a step reads (every sequence holds the whole context; a latent
+        cache is read once, its values being inside its keys)."""
         itemsize = 1 if self.cache == "fp8" else 2
-        return 2 * self.batch * self.context * self.kv_heads * self.head_dim * itemsize
+        sides = 1 if self.cache == "mla" else 2
+        return sides * self.batch * self.context * self.kv_heads * self.head_dim * itemsize
 
 
 class Problem(NamedTuple):
@@ -158,13 +167,16 @@ def make_problem(cell: DecodeCell, seed: int = 0) -> Problem:
     table = jax.random.permutation(keys[3], b * (t // cell.page_size)).reshape(b, -1).astype(jnp.int32)
     if cell.cache == "paged":
         return Problem(q, KVCache(side(keys[1]), side(keys[2]), lengths, table))
+    if cell.cache == "mla":
+        return Problem(q, KVCache(side(keys[1]), None, lengths, table))
     k, k_scale = quantise(side(keys[1]))
     v, v_scale = quantise(side(keys[2]))
     return Problem(q, KVCache(k, v, lengths, table, k_scale, v_scale))
 
 
-def dense_row(cache: KVCache, b: int, kv_heads: int):
-    """Batch row b's keys and values [1, context, kv_heads, D], float32, dequantised."""
+def dense_row(cache: KVCache, b: int, kv_heads: int, v_head_dim: int | None = None):
+    """Batch row b's keys and values [1, context, kv_heads, D], float32, dequantised (a
+    latent cache's values: its keys' first v_head_dim features)."""
     import jax.numpy as jnp
 
     def side(x, scale):
@@ -172,7 +184,8 @@ def dense_row(cache: KVCache, b: int, kv_heads: int):
         x = x[:, :kv_heads].astype(jnp.float32)
         return (x if scale is None else x * scale[:kv_heads, None])[None]
 
-    return side(cache.k, cache.k_scale), side(cache.v, cache.v_scale)
+    k = side(cache.k, cache.k_scale)
+    return k, (k[..., :v_head_dim] if cache.v is None else side(cache.v, cache.v_scale))
 
 
 def check(cell: DecodeCell, out, problem: Problem) -> dict:
@@ -186,7 +199,7 @@ def check(cell: DecodeCell, out, problem: Problem) -> dict:
     heads = kv_heads * (cell.heads // cell.kv_heads)
     errors = {}
     for b in sorted({0, cell.batch - 1}):
-        k, v = dense_row(problem.cache, b, kv_heads)
+        k, v = dense_row(problem.cache, b, kv_heads, cell.v_head_dim)
         want = reference.attention(problem.q[b:b + 1, :, :heads].astype(jnp.float32), k, v, causal=True)
         errors[f"out[{b}]"] = rel_err(out[b:b + 1, :, :heads], want)
     return errors
@@ -209,7 +222,8 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int = 1):
     def decode(p: Problem, backend: str = "auto", config=None):
         c = p.cache
         return flashjax.decode_attention(p.q, c.k, c.v, c.lengths, page_table=c.page_table, k_scale=c.k_scale,
-                                         v_scale=c.v_scale, scale=scale, backend=backend, config=config)
+                                         v_scale=c.v_scale, scale=scale, backend=backend, config=config,
+                                         v_head_dim=cell.v_head_dim if c.v is None else None)
 
     if cell.impl == "flashjax":
         return decode
@@ -221,7 +235,7 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int = 1):
             batch=cell.batch, q_len=cell.q_len, heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
             dtype=jnp.dtype(jnp.bfloat16), cache_dtype=jnp.dtype(jnp.float8_e4m3fn if cell.cache == "fp8" else jnp.bfloat16),
             capacity=cell.context, page_size=None if contiguous else cell.page_size, platform=platform,
-            compute_capability=capability)
+            compute_capability=capability, v_head_dim=cell.v_head_dim, latent=cell.cache == "mla")
         reasons = flashjax.backends.get("mosaic").decode.supports(call)
         if reasons:
             raise Unsupported("; ".join(reasons))
@@ -260,6 +274,8 @@ def impl_fn(cell: DecodeCell, fa3_num_splits: int = 1):
 
         if cell.cache == "fp8":
             raise Unsupported("flash_mha_with_kvcache takes q's dtype in the cache (no float8)")
+        if cell.cache == "mla":
+            raise Unsupported("flash_mha_with_kvcache takes no latent cache (values inside the keys)")
         if not _on_gpu():
             raise Unsupported("flash-attn3-jax needs a GPU")
         return lambda p: flash_attn3_jax.flash_mha_with_kvcache(
@@ -273,6 +289,7 @@ def record(cell: DecodeCell, status: str, **fields) -> dict:
     entry = dict(cache=cell.cache, batch=cell.batch, context=cell.context, q_len=cell.q_len, impl=cell.impl,
                  heads=cell.heads, kv_heads=cell.kv_heads, head_dim=cell.head_dim,
                  page_size=None if cell.cache == "contiguous" else cell.page_size, kv_bytes=cell.kv_bytes,
+                 v_head_dim=cell.v_head_dim,
                  status=status, time=datetime.datetime.now().isoformat(timespec="seconds"))
     entry.update(fields)
     if entry.get("median_ms"):
@@ -386,10 +403,12 @@ def plan(args) -> list[DecodeCell]:
     if args.smoke:
         batches, contexts = SMOKE["batches"], SMOKE["contexts"]
         shape = {k: SMOKE[k] for k in ("heads", "kv_heads", "head_dim", "page_size")}
+        mla = SMOKE_MLA
     else:
         batches = parse_list(args.batches, None, "batch", int)
         contexts = parse_list(args.contexts, None, "context", parse_seq)
         shape = dict(page_size=args.page_size)
+        mla = MLA
     caches = parse_list(args.caches, CACHES, "cache")
     impls = parse_list(args.impls, IMPLS, "implementation")
     impls += [f"flashjax[{spec.strip()}]" for spec in (args.flashjax_configs or "").split(";") if spec.strip()]
@@ -398,7 +417,7 @@ def plan(args) -> list[DecodeCell]:
     if bad and set(caches) - {"contiguous"}:
         raise SystemExit(f"contexts {bad} are not multiples of the page size {page_size}")
     return [
-        DecodeCell(cache, batch, context, impl, q_len=args.q_len, **shape)
+        DecodeCell(cache, batch, context, impl, q_len=args.q_len, **{**shape, **(mla if cache == "mla" else {})})
         for context in contexts for batch in batches for cache in caches for impl in impls
     ]
 

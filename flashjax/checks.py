@@ -212,27 +212,43 @@ def check_slopes(slopes, heads: int):
 FLOAT8_CACHE = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def check_cache(q, k_cache, v_cache, page_table) -> tuple[int, int | None]:
+def check_cache(q, k_cache, v_cache, page_table, v_head_dim=None) -> tuple[int, int | None, int]:
     """q [B, q_len, H, D] against a contiguous cache [B, max_len, Hkv, D] (``page_table`` None)
     or a paged one [num_pages, page_size, Hkv, D] with ``page_table`` int [B, pages_per_seq].
-    The cache has q's dtype, or float8_e4m3fn. Returns (capacity: keys per sequence, page_size or None)."""
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    v_cache has k_cache's shape but its own head dim Dv; or it is None and ``v_head_dim``
+    (in [1, D]) says how many leading features of k_cache are the values (a latent cache).
+    The cache has q's dtype, or float8_e4m3fn. Returns (capacity: keys per sequence,
+    page_size or None, the values' head dim)."""
+    caches = (("q", q), ("k_cache", k_cache)) + ((("v_cache", v_cache),) if v_cache is not None else ())
+    for name, x in caches:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
         if x.ndim != 4:
             layout = "[batch, q_len, heads, head_dim]" if name == "q" else (
                 "[batch, max_len, kv_heads, head_dim]" if page_table is None else "[num_pages, page_size, kv_heads, head_dim]")
             raise ValueError(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}. Use jax.vmap for extra batch dimensions.")
-    shapes = f"q{tuple(q.shape)}, k_cache{tuple(k_cache.shape)}, v_cache{tuple(v_cache.shape)}"
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {shapes}.")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}.")
+    shapes = ", ".join(f"{name}{tuple(x.shape)}" for name, x in caches)
+    if v_cache is None:
+        if v_head_dim is None:
+            raise ValueError("v_cache is None: pass v_head_dim, the leading features of k_cache that are the values "
+                             "(a latent cache, e.g. MLA's 512 of 576).")
+        if not isinstance(v_head_dim, (int, np.integer)) or isinstance(v_head_dim, bool) or not 1 <= v_head_dim <= k_cache.shape[3]:
+            raise ValueError(f"v_head_dim must be an int in [1, k_cache's head_dim = {k_cache.shape[3]}], got {v_head_dim!r}.")
+        v_head_dim = int(v_head_dim)
+    else:
+        if k_cache.shape[:3] != v_cache.shape[:3]:
+            raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got {shapes}.")
+        if k_cache.dtype != v_cache.dtype:
+            raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype} and {v_cache.dtype}.")
+        if v_head_dim is not None and v_head_dim != v_cache.shape[3]:
+            raise ValueError(f"v_head_dim {v_head_dim!r} is for a latent cache (v_cache None); v_cache has head dim "
+                             f"{v_cache.shape[3]}.")
+        v_head_dim = v_cache.shape[3]
     batch, q_len, heads, head_dim = q.shape
-    if min(q.shape) < 1 or min(k_cache.shape) < 1:
+    if min(q.shape) < 1 or min(k_cache.shape) < 1 or (v_cache is not None and min(v_cache.shape) < 1):
         raise ValueError(f"every dimension of q and of the caches must be >= 1, got {shapes}.")
     if k_cache.shape[3] != head_dim:
-        raise ValueError(f"q and the caches must have the same head_dim, got {shapes}.")
+        raise ValueError(f"q and k_cache must have the same head_dim, got {shapes}.")
     kv_heads = k_cache.shape[2]
     if heads % kv_heads:
         raise ValueError(f"the number of query heads ({heads}) must be a multiple of the caches' kv_heads ({kv_heads}); got {shapes}.")
@@ -249,7 +265,7 @@ def check_cache(q, k_cache, v_cache, page_table) -> tuple[int, int | None]:
                 f"a contiguous cache [batch, max_len, kv_heads, head_dim] must have q's batch size {batch}, got {shapes}; "
                 "for a paged cache [num_pages, page_size, kv_heads, head_dim] pass page_table."
             )
-        return k_cache.shape[1], None
+        return k_cache.shape[1], None, v_head_dim
     if not hasattr(page_table, "shape") or page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
         raise ValueError(
             f"page_table must have shape (batch={batch}, pages_per_seq >= 1), got "
@@ -258,7 +274,7 @@ def check_cache(q, k_cache, v_cache, page_table) -> tuple[int, int | None]:
     if not jnp.issubdtype(page_table.dtype, jnp.integer):
         raise ValueError(f"page_table must be integers (page indices into k_cache's first axis), got dtype {page_table.dtype}.")
     page_size = k_cache.shape[1]
-    return page_table.shape[1] * page_size, page_size
+    return page_table.shape[1] * page_size, page_size, v_head_dim
 
 
 def check_cache_scale(name: str, scale, cache_dtype, kv_heads: int, num_pages: int | None):

@@ -32,6 +32,7 @@ def decode_attention(
     v_scale=None,
     num_splits: int | None = None,
     config=None,
+    v_head_dim: int | None = None,
 ):
     """Attention of a few new queries per sequence over a KV cache, read in place.
 
@@ -71,7 +72,10 @@ def decode_attention(
       k_cache: keys, contiguous [batch, max_len, kv_heads, head_dim], or paged
         [num_pages, page_size, kv_heads, head_dim] with ``page_table``. Same dtype as q,
         or float8_e4m3fn with ``k_scale`` and ``v_scale``. ``kv_heads`` divides ``heads``.
-      v_cache: values, same shape and dtype as ``k_cache``.
+      v_cache: values, the shape and dtype of ``k_cache`` but for the head dim, which may
+        differ (``v_head_dim``; MLA's 128 values for 192-dim keys). ``None`` for a latent
+        cache (absorbed MLA, FlashMLA's layout): the values are then the first
+        ``v_head_dim`` features of ``k_cache`` itself (e.g. 512 of 576), read once.
       kv_lengths: int [batch]: tokens held by each sequence, in [0, capacity] (``max_len``,
         or ``pages_per_seq * page_size``). Keys at or past it are never read.
       page_table: int [batch, pages_per_seq]: page ``p`` of sequence ``b`` (its keys
@@ -100,10 +104,12 @@ def decode_attention(
       config: the decode kernel's tiling, `flashjax.DecodeConfig` (``block_k``,
         ``num_warps``, ``num_stages``), which selects the Triton backend; ``None`` for its
         default.
+      v_head_dim: with ``v_cache=None``, the values' head dim, in [1, head_dim] (a float8
+        latent cache then takes ``k_scale`` only). Otherwise ``None`` (v_cache's own).
 
     Returns:
-      The output ``[batch, q_len, heads, head_dim]`` in q's dtype, and with
-      ``return_lse=True`` a pair ``(output, lse)``.
+      The output ``[batch, q_len, heads, v_head_dim]`` (v_head_dim = v_cache's head dim,
+      or the argument) in q's dtype, and with ``return_lse=True`` a pair ``(output, lse)``.
 
     Raises:
       ValueError: for inconsistent shapes or dtypes, a page table that does not fit,
@@ -119,7 +125,7 @@ def decode_attention(
     """
     cache, call, params = _prepare(
         q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,
-        scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+        scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, v_head_dim=v_head_dim,
     )
     choice = backends.choose_decode(call, backend, config)
     with jax.named_scope("decode_attention"):
@@ -128,15 +134,21 @@ def decode_attention(
 
 
 def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, softcap, scale, k_scale, v_scale,
-             num_splits):
+             num_splits, v_head_dim):
     """Checks the arguments; returns (KVCache, DecodeCall, DecodeParams fields without the backend)."""
-    capacity, page_size = checks.check_cache(q, k_cache, v_cache, page_table)
+    capacity, page_size, v_head_dim = checks.check_cache(q, k_cache, v_cache, page_table, v_head_dim)
+    latent = v_cache is None
+    if latent and v_scale is not None:
+        raise ValueError("v_scale is for a separate v_cache: a latent cache's values are k_cache's features and "
+                         "share k_scale.")
     batch, q_len, heads, head_dim = q.shape
     num_pages, kv_heads = (k_cache.shape[0] if page_size is not None else None), k_cache.shape[2]
     if kv_lengths is None:
         raise ValueError("kv_lengths is required: int [batch], the tokens each sequence holds in the cache.")
     lengths = checks.check_lengths("kv_lengths", kv_lengths, batch)
     k_scale = checks.check_cache_scale("k_scale", k_scale, k_cache.dtype, kv_heads, num_pages)
+    if latent:
+        v_scale = k_scale
     v_scale = checks.check_cache_scale("v_scale", v_scale, k_cache.dtype, kv_heads, num_pages)
     if k_scale is not None and k_scale.shape != v_scale.shape:
         raise ValueError(f"k_scale and v_scale must both be per kv head or both per page, got {k_scale.shape} and {v_scale.shape}.")
@@ -154,10 +166,11 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
         cache_dtype=jnp.dtype(k_cache.dtype), capacity=capacity, page_size=page_size,
         scales=None if k_scale is None else ("head" if k_scale.ndim == 1 else "page"), causal=bool(causal),
         window=window, softcap=softcap, platform=platform, compute_capability=capability,
+        v_head_dim=v_head_dim, latent=latent,
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, num_splits=num_splits,
-        sm_count=backends.sm_count(), interpret=platform != "gpu",
+        sm_count=backends.sm_count(), interpret=platform != "gpu", v_head_dim=v_head_dim if latent else None,
     )
     return cache, call, params
 

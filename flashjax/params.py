@@ -163,11 +163,14 @@ class KVCache(NamedTuple):
     """The arrays of a decode call's KV cache (checked by the API; absent ones are None).
 
     Attributes:
-      k, v: contiguous [B, max_len, Hkv, D], or paged [num_pages, page_size, Hkv, D].
+      k: contiguous [B, max_len, Hkv, D], or paged [num_pages, page_size, Hkv, D].
+      v: the same with its own head dim Dv; None for a latent cache (MLA's), whose values
+        are the first `DecodeParams.v_head_dim` features of `k`.
       lengths: int32 [B], valid tokens per sequence, clamped to [0, capacity].
       page_table: int32 [B, pages_per_seq] (paged caches), entries clamped to [0, num_pages).
       k_scale, v_scale: float32 dequantisation scales of a float8 cache, [Hkv] (per kv
-        head) or [num_pages, Hkv] (per page); the cache holds value / scale.
+        head) or [num_pages, Hkv] (per page); the cache holds value / scale. A latent
+        cache has k_scale only.
     """
 
     k: Array
@@ -184,6 +187,8 @@ class DecodeCall:
 
     Attributes:
       batch, q_len, heads, kv_heads, head_dim: the queries' shape and the cache's heads.
+      v_head_dim: the values' head dim (head_dim unless the values have their own).
+      latent: the values are the first v_head_dim features of the keys (one cache, MLA's).
       dtype: of q; cache_dtype: of the cache (q's, or float8_e4m3fn).
       capacity: keys a sequence can hold (max_len, or pages_per_seq * page_size).
       page_size: None for a contiguous cache.
@@ -207,6 +212,8 @@ class DecodeCall:
     softcap: float | None = None
     platform: str = "cpu"
     compute_capability: str = ""
+    v_head_dim: int | None = None
+    latent: bool = False
 
     @property
     def scores(self) -> int:
@@ -226,6 +233,7 @@ class DecodeParams:
       backend: the registered backend that runs the call.
       interpret: run the Pallas kernels in interpret mode (CPU).
       config: the backend's decode config (a frozen dataclass), or None for its default.
+      v_head_dim: the values' head dim of a latent cache (`KVCache.v` None); else None.
     """
 
     scale: float
@@ -237,6 +245,7 @@ class DecodeParams:
     backend: str = "triton"
     interpret: bool = False
     config: Any = None
+    v_head_dim: int | None = None
 
     def mask_spec(self, q_len: int) -> MaskSpec:
         """The mask with its offset 0: callers pass query rows as key positions (each

@@ -63,7 +63,7 @@ def test_decode_smoke(tmp_path, capsys):
     out = tmp_path / "decode.json"
     assert _script("decode").main(["--smoke", "--out", str(out)]) == 0
     cells = json.loads(out.read_text())["cells"]
-    assert len(cells) == 3 * 6  # caches x impls, one batch and context
+    assert len(cells) == 4 * 6  # caches x impls, one batch and context
     for key, cell in cells.items():
         runs = cell["impl"] in ("flashjax", "xla") or (cell["impl"] == "pallas_gqa" and cell["cache"] == "contiguous")
         if runs:

@@ -40,49 +40,57 @@ class Cache(NamedTuple):
     """What decode_attention takes (k, v, page_table, scales) and the dense float32 truth."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None  # None: a latent cache, values = k's first v_head_dim features
     page_table: jax.Array | None
     k_scale: jax.Array | None
     v_scale: jax.Array | None
     dense_k: np.ndarray  # [B, capacity, Hkv, D], dequantised
     dense_v: np.ndarray
+    v_head_dim: int | None = None
 
     def kwargs(self):
-        return dict(page_table=self.page_table, k_scale=self.k_scale, v_scale=self.v_scale)
+        latent = dict(v_head_dim=self.v_head_dim) if self.v is None else {}
+        return dict(page_table=self.page_table, k_scale=self.k_scale, v_scale=self.v_scale, **latent)
 
 
-def make_cache(rng, batch, capacity, kv_heads, dtype, *, page_size=None, scales=None) -> Cache:
+def make_cache(rng, batch, capacity, kv_heads, dtype, *, page_size=None, scales=None, head_dim=D, v_head_dim=None,
+               latent=False) -> Cache:
     """Random caches; paged ones through a random page table over a pool with spare pages.
 
     ``scales``: None, "head" or "page": a float8 cache storing value / scale.
+    ``v_head_dim``: the values' own head dim (default head_dim); with ``latent`` there is
+    no v cache, the values being k's first v_head_dim features.
     """
-    dense = rng.standard_normal((2, batch, capacity, kv_heads, D), dtype=np.float32)
+    v_head_dim = v_head_dim or head_dim
     if page_size is None:
-        store, table, pages = dense, None, None
+        table, pages, shape = None, None, (batch, capacity, kv_heads)
     else:
         per_seq = capacity // page_size
-        num_pages = batch * per_seq + 3
-        table = rng.permutation(num_pages)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32)
-        store = rng.standard_normal((2, num_pages, page_size, kv_heads, D), dtype=np.float32)
-        pages = num_pages
-    k_scale = v_scale = None
-    if scales is not None:
-        shape = (kv_heads,) if scales == "head" else (pages, kv_heads)
-        k_scale, v_scale = rng.uniform(0.25, 4.0, (2, *shape)).astype(np.float32)
-        per_row = lambda s: s[:, None, :, None] if scales == "page" else s[:, None]
-        store = np.stack([store[0] / per_row(k_scale), store[1] / per_row(v_scale)])
-        stored = np.asarray(jnp.asarray(store).astype(FP8).astype(F32))
-        store = np.stack([stored[0] * per_row(k_scale), stored[1] * per_row(v_scale)])  # dequantised
-        k, v = jnp.asarray(stored[0]).astype(FP8), jnp.asarray(stored[1]).astype(FP8)
-        k_scale, v_scale = jnp.asarray(k_scale), jnp.asarray(v_scale)
-    else:
-        store = np.asarray(jnp.asarray(store).astype(dtype).astype(F32))
-        k, v = jnp.asarray(store[0]).astype(dtype), jnp.asarray(store[1]).astype(dtype)
-    if table is not None:
-        dense = store[:, table].reshape(2, batch, capacity, kv_heads, D)
-    else:
-        dense = store
-    return Cache(k, v, None if table is None else jnp.asarray(table), k_scale, v_scale, dense[0], dense[1])
+        pages = batch * per_seq + 3
+        table = rng.permutation(pages)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+        shape = (pages, page_size, kv_heads)
+    arrays, scale_arrays, dense = [], [], []
+    for dim in (head_dim,) if latent else (head_dim, v_head_dim):
+        store = rng.standard_normal((*shape, dim), dtype=np.float32)
+        scale = None
+        if scales is not None:
+            scale = rng.uniform(0.25, 4.0, (kv_heads,) if scales == "head" else (pages, kv_heads)).astype(np.float32)
+            per_row = scale[:, None, :, None] if scales == "page" else scale[:, None]
+            stored = np.asarray(jnp.asarray(store / per_row).astype(FP8).astype(F32))
+            arrays.append(jnp.asarray(stored).astype(FP8))
+            store = stored * per_row  # dequantised
+            scale = jnp.asarray(scale)
+        else:
+            store = np.asarray(jnp.asarray(store).astype(dtype).astype(F32))
+            arrays.append(jnp.asarray(store).astype(dtype))
+        scale_arrays.append(scale)
+        dense.append(store if table is None else store[table].reshape(batch, capacity, kv_heads, dim))
+    if latent:
+        arrays.append(None)
+        scale_arrays.append(None)
+        dense.append(dense[0][..., :v_head_dim])
+    return Cache(arrays[0], arrays[1], None if table is None else jnp.asarray(table), scale_arrays[0], scale_arrays[1],
+                 dense[0], dense[1], v_head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "softcap"))
@@ -104,8 +112,8 @@ def oracle(q, cache: Cache, lengths, *, causal=True, window=None, softcap=None):
                    causal=causal, window=window, softcap=softcap)
 
 
-def draw_q(rng, batch, q_len, heads, dtype):
-    return jnp.asarray(rng.standard_normal((batch, q_len, heads, D), dtype=np.float32)).astype(dtype)
+def draw_q(rng, batch, q_len, heads, dtype, head_dim=D):
+    return jnp.asarray(rng.standard_normal((batch, q_len, heads, head_dim), dtype=np.float32)).astype(dtype)
 
 
 def check(q, cache: Cache, lengths, *, backend="triton", num_splits=None, config=None, **options):
@@ -114,7 +122,7 @@ def check(q, cache: Cache, lengths, *, backend="triton", num_splits=None, config
         num_splits=num_splits, config=config, **cache.kwargs(), **options,
     )
     want_o, want_lse = oracle(q, cache, lengths, **options)
-    assert got_o.dtype == q.dtype and got_o.shape == q.shape
+    assert got_o.dtype == q.dtype and got_o.shape == (*q.shape[:3], cache.dense_v.shape[-1])
     check_close(got_o, want_o, q.dtype, "o")
     check_lse(got_lse, want_lse, q.dtype)
 
@@ -213,6 +221,47 @@ def test_float16_rows(rng, shift):
     np.testing.assert_allclose(back, want, rtol=0, atol=max(float(largest.max()) * 2.0**-38, 2.0**-126))
 
 
+# (head_dim, v_head_dim, latent, page_size, scales, dtype, q_len, heads, kv_heads)
+HEAD_DIMS = [
+    pytest.param(96, None, False, None, None, BF16, 1, 4, 2, id="d96-contiguous"),  # blocks 64 + 32
+    pytest.param(48, 32, False, 64, None, F16, 3, 4, 1, id="mla-like-48-32-paged"),
+    pytest.param(16, 128, False, None, "head", BF16, 1, 4, 2, id="narrow-keys-wide-values-fp8"),  # 64 / 512 in small
+    pytest.param(80, 64, True, None, None, BF16, 1, 8, 1, id="latent-80-64-mqa"),  # blocks 64 | 16: values, then rope
+    pytest.param(80, 64, True, 16, "page", BF16, 2, 4, 1, id="latent-fp8-per-page-16-pages"),
+    pytest.param(48, 48, True, 32, None, F32, 1, 2, 2, id="latent-values-are-all-of-k"),
+]
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim,latent,page_size,scales,dtype,q_len,heads,kv_heads", HEAD_DIMS)
+def test_head_dims(rng, head_dim, v_head_dim, latent, page_size, scales, dtype, q_len, heads, kv_heads):
+    """Head dims that are no power of two (read in column blocks), values with their own head
+    dim, and latent caches (absorbed MLA: the values are the keys' first features, one cache)."""
+    cache = make_cache(rng, 3, 128, kv_heads, dtype, page_size=page_size, scales=scales, head_dim=head_dim,
+                       v_head_dim=v_head_dim, latent=latent)
+    check(draw_q(rng, 3, q_len, heads, dtype, head_dim), cache, [128, 0, 45], num_splits=2)
+
+
+def test_latent_cache_matches_separate_values(rng):
+    """A latent cache gives the attention of the same cache passed as keys with its leading
+    features as a separate value cache (and the reference backend agrees)."""
+    cache = make_cache(rng, 2, 64, 1, BF16, head_dim=80, v_head_dim=64, latent=True)
+    q, lengths = draw_q(rng, 2, 1, 4, BF16, 80), jnp.asarray([64, 20], jnp.int32)
+    latent = flashjax.decode_attention(q, cache.k, None, lengths, v_head_dim=64, backend="triton")
+    separate = flashjax.decode_attention(q, cache.k, cache.k[..., :64], lengths, backend="triton")
+    reference_path = flashjax.decode_attention(q, cache.k, None, lengths, v_head_dim=64, backend="xla")
+    np.testing.assert_array_equal(np.asarray(latent, np.float32), np.asarray(separate, np.float32))
+    check_close(latent, reference_path, BF16, "o")
+
+
+def test_column_blocks():
+    assert triton_decode.column_blocks(0, 576) == ((0, 512), (512, 64))
+    assert triton_decode.column_blocks(512, 64) == ((512, 64),)
+    assert triton_decode.column_blocks(0, 208) == ((0, 128), (128, 64), (192, 16))
+    t = triton_decode.DecodeTiling(q_len=1, group=16, block_q=16, block_k=32, page_size=None, num_splits=1,
+                                   head_dim=576, v_head_dim=512, latent=True)
+    assert t.k_blocks == ((0, 512), (512, 64)) and t.v_blocks == ((0, 512),)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_num_splits(rng, num_splits):
     """Any number of splits merges to the same attention, splits without tiles included
@@ -306,7 +355,7 @@ def test_choice():
     assert choice.backend == "triton" and passed == "mosaic" and "2.00 GiB K/V cache" in reasons[0]
     assert backends.choose_decode(_call(**hopper, batch=8, capacity=1 << 17)).backend == "mosaic"  # 4 GiB
     assert backends.choose_decode(_call()).backend == "triton"
-    for unsupported in (dict(head_dim=96), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
+    for unsupported in (dict(head_dim=40), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
         assert backends.choose_decode(_call(**unsupported)).backend == "xla", unsupported
         with pytest.raises(NotImplementedError, match="backend='triton'"):
             backends.choose_decode(_call(**unsupported), "triton")
@@ -325,6 +374,7 @@ HOPPER_DECODE_REFUSALS = [
     (dict(page_size=16), "a paged cache"), (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
     (dict(window=(64, None)), "a window"), (dict(q_len=4, causal=True), "causal with q_len 4"),
     (dict(capacity=1000), "no multiple of 128"), (dict(head_dim=96), "head_dim 96"),
+    (dict(v_head_dim=32), "v head_dim 32 != head_dim 64"), (dict(v_head_dim=32, latent=True), "a latent cache"),
     (dict(dtype=jnp.dtype(F32), cache_dtype=jnp.dtype(F32)), "float32 queries"),
 ]
 
@@ -397,7 +447,12 @@ FP8_PAGES = jnp.zeros((5, 16, 2, D), FP8)
 BAD = [
     pytest.param(dict(q=jnp.zeros((2, 4, D), F32)), "q must have rank 4", id="q-rank"),
     pytest.param(dict(k_cache=jnp.zeros((2, 64, 2, 16), F32), v_cache=jnp.zeros((2, 64, 2, 16), F32)), "same head_dim", id="head-dim"),
-    pytest.param(dict(v_cache=jnp.zeros((2, 32, 2, D), F32)), "k_cache and v_cache must have the same shape", id="kv-shape"),
+    pytest.param(dict(v_cache=jnp.zeros((2, 32, 2, D), F32)), "must have the same shape but for the head dim", id="kv-shape"),
+    pytest.param(dict(v_cache=None), "pass v_head_dim", id="latent-no-v-head-dim"),
+    pytest.param(dict(v_cache=None, v_head_dim=D + 1), r"v_head_dim must be an int in \[1, k_cache's head_dim = 32\]", id="latent-too-wide"),
+    pytest.param(dict(v_cache=None, v_head_dim=16.0), "v_head_dim must be an int", id="latent-float-dim"),
+    pytest.param(dict(v_head_dim=16), "is for a latent cache", id="v-head-dim-with-v-cache"),
+    pytest.param(dict(v_cache=jnp.zeros((2, 64, 2, 16), BF16)), "must share one dtype", id="kv-dtype"),
     pytest.param(dict(k_cache=jnp.zeros((2, 64, 3, D), F32), v_cache=jnp.zeros((2, 64, 3, D), F32)), "multiple of the caches' kv_heads", id="heads"),
     pytest.param(dict(k_cache=jnp.zeros((3, 64, 2, D), F32), v_cache=jnp.zeros((3, 64, 2, D), F32)), "pass page_table", id="batch"),
     pytest.param(dict(k_cache=jnp.zeros((2, 64, 2, D), BF16), v_cache=jnp.zeros((2, 64, 2, D), BF16)), "q's dtype", id="dtype"),
@@ -422,6 +477,7 @@ BAD_PAGED = [
     pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES), "needs k_scale", id="fp8-no-scale"),
     pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES, k_scale=jnp.ones(3), v_scale=jnp.ones(2)), r"k_scale must have shape \(2,\) or \(5, 2\)", id="fp8-scale-shape"),
     pytest.param(dict(k_cache=FP8_PAGES, v_cache=FP8_PAGES, k_scale=jnp.ones(2), v_scale=jnp.ones((5, 2))), "must both be per kv head or both per page", id="fp8-scale-mix"),
+    pytest.param(dict(k_cache=FP8_PAGES, v_cache=None, v_head_dim=16, k_scale=jnp.ones(2), v_scale=jnp.ones(2)), "share k_scale", id="latent-v-scale"),
 ]
 
 
@@ -452,9 +508,12 @@ _EXAMPLES = 25 * (10 if os.environ.get("FLASHJAX_HYPOTHESIS_PROFILE") == "thorou
 
 @st.composite
 def decode_cases(draw):
-    """A decode call: cache kind and page size, dtype, q_len, GQA ratio, lengths (0 and the
-    capacity included), causal, window, softcap, splits and tiling, all drawn together."""
+    """A decode call: cache kind and page size, dtype, head dims (values of their own, or a
+    latent cache), q_len, GQA ratio, lengths (0 and the capacity included), causal, window,
+    softcap, splits and tiling, all drawn together."""
     kind = draw(st.sampled_from(["contiguous", "paged", "fp8-head", "fp8-page"]))
+    head_dim, v_head_dim, latent = draw(st.sampled_from(
+        [(D, None, False), (D, None, False), (48, 16, False), (16, 64, False), (48, 32, True), (32, 32, True)]))
     dtype = draw(st.sampled_from([F32, BF16, F16]))
     capacity = 128
     page_size = None if kind == "contiguous" else draw(st.sampled_from([16, 32, 64, 128]))
@@ -467,6 +526,7 @@ def decode_cases(draw):
     window = None if (left is None and right in (None, 0) and draw(st.booleans())) else (left, right)
     return dict(
         kind=kind, dtype=dtype, capacity=capacity, page_size=page_size, heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, v_head_dim=v_head_dim, latent=latent,
         batch=batch, lengths=lengths, q_len=draw(st.sampled_from([1, 2, 5])), causal=causal, window=window,
         softcap=draw(st.sampled_from([None, 20.0])), num_splits=draw(st.sampled_from([None, 1, 3])),
         config=draw(st.sampled_from([None, flashjax.DecodeConfig(block_k=16), flashjax.DecodeConfig(block_k=32)])),
@@ -484,7 +544,8 @@ def test_random_combinations_match_reference(case):
     rng = np.random.default_rng(case["seed"])
     scales = {"fp8-head": "head", "fp8-page": "page"}.get(case["kind"])
     cache = make_cache(rng, case["batch"], case["capacity"], case["kv_heads"], case["dtype"],
-                       page_size=case["page_size"], scales=scales)
-    q = draw_q(rng, case["batch"], case["q_len"], case["heads"], case["dtype"])
+                       page_size=case["page_size"], scales=scales, head_dim=case["head_dim"],
+                       v_head_dim=case["v_head_dim"], latent=case["latent"])
+    q = draw_q(rng, case["batch"], case["q_len"], case["heads"], case["dtype"], case["head_dim"])
     check(q, cache, case["lengths"], num_splits=case["num_splits"], config=case["config"],
           causal=case["causal"], window=case["window"], softcap=case["softcap"])

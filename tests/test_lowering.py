@@ -253,10 +253,11 @@ def typed_tensors(text: str) -> list[tuple[tuple[int, ...], str]]:
 
 
 def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window, capacity: int = 4000, causal=True,
-                 head_dim: int = 128):
+                 head_dim: int = 128, v_head_dim: int | None = None, latent: bool = False, kv_heads: int = 8):
     """(StableHLO text of a decode call lowered for CUDA, the cache's shape, its capacity);
-    `capacity`: a contiguous cache's max_len."""
-    batch, heads, kv_heads = 2, 32, 8
+    `capacity`: a contiguous cache's max_len; `v_head_dim`: the values' own (with `latent`,
+    the leading features of the keys, no value cache)."""
+    batch, heads = 2, 32
     S = jax.ShapeDtypeStruct
     if page_size is None:
         table = None
@@ -265,22 +266,26 @@ def lower_decode(backend: str, page_size, cache_dtype, scales, q_len, window, ca
         capacity, table = 37 * page_size, S((batch, 37), jnp.int32)
         cache_shape = (100, page_size, kv_heads, head_dim)
     scale = None if scales is None else S((100, kv_heads) if scales == "page" else (kv_heads,), jnp.float32)
-    cache = KVCache(S(cache_shape, cache_dtype), S(cache_shape, cache_dtype), S((batch,), jnp.int32), table, scale, scale)
-    params = DecodeParams(scale=head_dim**-0.5, causal=causal, window=window, sm_count=132, interpret=False)
+    v_cache = None if latent else S((*cache_shape[:3], v_head_dim or head_dim), cache_dtype)
+    cache = KVCache(S(cache_shape, cache_dtype), v_cache, S((batch,), jnp.int32), table, scale, scale)
+    params = DecodeParams(scale=head_dim**-0.5, causal=causal, window=window, sm_count=132, interpret=False,
+                          v_head_dim=v_head_dim if latent else None)
     decode = backends.get(backend).decode.run
     text = jax.jit(lambda q, cache: decode(q, cache, params)).trace(
         S((batch, q_len, heads, head_dim), jnp.bfloat16), cache).lower(lowering_platforms=("cuda",)).as_text()
     return text, cache_shape, capacity
 
 
-def cache_copies(text: str, cache_shape, capacity: int, cache_element: str) -> list:
+def cache_copies(text: str, cache_shape, capacity: int, cache_element: str, v_head_dim: int | None = None) -> list:
     """Tensors that copy the cache: of its shape in another element type (converted), or
-    [B, capacity, ...] other than the cache itself (gathered or padded)."""
+    [B, capacity, ...] other than the cache itself (gathered or padded); `v_head_dim`: a value
+    cache of its own head dim is the cache too."""
     tensors = typed_tensors(text)
     assert tensors, "no tensor types parsed: the check would be vacuous"
+    caches = {tuple(cache_shape), (*cache_shape[:3], v_head_dim or cache_shape[3])}
     return [
         (shape, element) for shape, element in tensors
-        if (shape == cache_shape and element != cache_element) or (shape[:2] == (2, capacity) and shape != cache_shape)
+        if (shape in caches and element != cache_element) or (shape[:2] == (2, capacity) and shape not in caches)
     ]
 
 
@@ -292,6 +297,26 @@ def test_decode_kernel_lowers_to_triton_for_sm90(fake_h100, page_size, cache_dty
     assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
     cache_element = {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8E4M3FN"}[cache_dtype]
     assert not cache_copies(text, cache_shape, capacity, cache_element)
+
+
+@pytest.mark.parametrize(
+    "head_dim,v_head_dim,latent,page_size,cache_dtype,scales",
+    [
+        pytest.param(576, 512, True, 64, jnp.bfloat16, None, id="absorbed-mla-latent-paged"),
+        pytest.param(576, 512, True, None, jnp.float8_e4m3fn, "head", id="absorbed-mla-latent-fp8"),
+        pytest.param(192, 128, False, 64, jnp.bfloat16, None, id="mla-192-128-paged"),
+        pytest.param(64, 512, False, None, jnp.bfloat16, None, id="narrow-keys-512-values"),
+    ],
+)
+def test_decode_head_dims_lower_to_triton_for_sm90(fake_h100, head_dim, v_head_dim, latent, page_size, cache_dtype,
+                                                   scales):
+    """Head dims read in column blocks (576 = 512 + 64), values of their own head dim, and a
+    latent cache (the values inside the keys) lower for sm_90 with the cache read in place."""
+    text, cache_shape, capacity = lower_decode("triton", page_size, cache_dtype, scales, 1, None, head_dim=head_dim,
+                                               v_head_dim=v_head_dim, latent=latent, kv_heads=1 if latent else 8)
+    assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
+    cache_element = {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8E4M3FN"}[cache_dtype]
+    assert not cache_copies(text, cache_shape, capacity, cache_element, None if latent else v_head_dim)
 
 
 @pytest.mark.parametrize("q_len,causal,head_dim", [(1, True, 128), (5, False, 128), (1, True, 192)])

@@ -83,13 +83,13 @@ def _dense(x, scale, page_table, dtype):
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
-    """o [B, q_len, H, D] in q's dtype and the lse [B, H, q_len] of a decode call, by the reference.
+    """o [B, q_len, H, Dv] in q's dtype and the lse [B, H, q_len] of a decode call, by the reference.
 
     Materialises the cache (gathered, in float32) and the [B, H, q_len, capacity] scores.
     """
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     k = _dense(cache.k, cache.k_scale, cache.page_table, dtype)
-    v = _dense(cache.v, cache.v_scale, cache.page_table, dtype)
+    v = k[..., :params.v_head_dim] if cache.v is None else _dense(cache.v, cache.v_scale, cache.page_table, dtype)
     q_len, capacity = q.shape[1], k.shape[1]
     lengths = cache.lengths[:, None, None, None]
     # Query i of a sequence of length L sits at key position L - q_len + i.

@@ -38,6 +38,10 @@ def supports(call: DecodeCall) -> list[str]:
         reasons.append("a paged cache")
     if call.head_dim not in HEAD_DIMS:
         reasons.append(f"head_dim {call.head_dim} (the cache is read in place: {', '.join(map(str, HEAD_DIMS))})")
+    if call.latent:
+        reasons.append("a latent cache (values inside the keys)")
+    elif call.v_head_dim not in (None, call.head_dim):
+        reasons.append(f"v head_dim {call.v_head_dim} != head_dim {call.head_dim}")
     if call.page_size is None and call.capacity % SPLIT_MULTIPLE:
         reasons.append(f"a cache of max_len {call.capacity}, no multiple of {SPLIT_MULTIPLE} (it is read in place "
                        "in whole key tiles)")

@@ -49,7 +49,7 @@ from jax.experimental.pallas import triton as plgpu
 from flashjax import masks
 from flashjax.kernels import common
 from flashjax.kernels.triton import scoring
-from flashjax.kernels.triton.config import MAX_HEAD_DIM, DecodeConfig, next_power_of_two
+from flashjax.kernels.triton.config import DecodeConfig, next_power_of_two
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import DecodeCall, DecodeParams, KVCache
 
@@ -57,6 +57,10 @@ __all__ = ["supports", "decode", "num_splits", "DecodeTiling", "DecodeConfig"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 FLOAT8 = "float8_e4m3fn"
+# Head dims the kernel takes: keys up to MLA's latent 576 and beyond, values up to 512 (the
+# float32 accumulator of a query tile's rows is block_q x v_head_dim).
+MAX_DECODE_HEAD_DIM = 1024
+MAX_DECODE_V_HEAD_DIM = 512
 # Query rows (q_len x group) per program; longer chunks get several query tiles.
 MAX_BLOCK_Q = 64
 # A split reads at least this many key tiles: below it the per-program prologue and the
@@ -95,16 +99,32 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def column_blocks(start: int, width: int) -> tuple[tuple[int, int], ...]:
+    """Features [start, start + width) as (offset, size) blocks, sizes the powers of two of
+    width's binary expansion, largest first (576 -> 512 + 64): Triton's tiles are powers of two."""
+    blocks = []
+    for bit in reversed(range(width.bit_length())):
+        if width >> bit & 1:
+            blocks.append((start, 1 << bit))
+            start += 1 << bit
+    return tuple(blocks)
+
+
 def supports(call: DecodeCall) -> list[str]:
     """Why the Triton decode kernel cannot run `call` (empty when it can)."""
     reasons = []
     if jnp.dtype(call.dtype).name not in DTYPES:
         reasons.append(f"{jnp.dtype(call.dtype).name} queries (the kernel takes bfloat16, float16 or float32)")
-    if not (_is_power_of_two(call.head_dim) and 16 <= call.head_dim <= MAX_HEAD_DIM):
-        reasons.append(
-            f"head_dim {call.head_dim} (the kernel reads the cache in place, so the head dim must be a power "
-            f"of two in [16, {MAX_HEAD_DIM}]; padding it would copy the cache)"
-        )
+    v_head_dim = call.v_head_dim or call.head_dim
+    dims = [("head_dim", call.head_dim, MAX_DECODE_HEAD_DIM), ("v head_dim", v_head_dim, MAX_DECODE_V_HEAD_DIM)]
+    if call.latent and call.head_dim > v_head_dim:
+        dims.append(("the keys' features past the values", call.head_dim - v_head_dim, MAX_DECODE_HEAD_DIM))
+    for name, dim, most in dims:
+        if dim % 16 or not 16 <= dim <= most:
+            reasons.append(
+                f"{name} {dim} (the kernel reads the cache in place, in column blocks of powers of two >= 16: "
+                f"a multiple of 16 up to {most}; padding it would copy the cache)"
+            )
     if call.page_size is None and call.capacity % 16:
         reasons.append(
             f"a contiguous cache of max_len {call.capacity} (the kernel reads whole tiles of 16 keys or more; "
@@ -152,6 +172,8 @@ class DecodeTiling:
       page_size: keys per page; None for a contiguous cache.
       num_splits: parts of each sequence's keys, one program each.
       num_warps, num_stages: Triton's launch and pipelining parameters.
+      head_dim, v_head_dim: of the keys and of the values.
+      latent: the values are the keys' first v_head_dim features (one cache, read once).
     """
 
     q_len: int
@@ -162,6 +184,9 @@ class DecodeTiling:
     num_splits: int
     num_warps: int = 4
     num_stages: int = 2
+    head_dim: int = 128
+    v_head_dim: int = 128
+    latent: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -188,21 +213,43 @@ class DecodeTiling:
         """Key tiles in one page (pages larger than a tile)."""
         return max(1, self.page_size // self.block_k)
 
+    @property
+    def v_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The values' features in column blocks (Triton tiles are powers of two)."""
+        return column_blocks(0, self.v_head_dim)
 
-def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeConfig | None = None) -> DecodeTiling:
-    """The tiles of a call: block_k from `config` (default 128; 64 above head dim 128, and for
-    float32 at head dim >= 128, whose tiles take twice the registers), reduced to the largest
-    power of two dividing a contiguous cache's length, or to the page size of a paged cache
-    with pages of >= 64 keys; block_q the rows rounded up to a power
-    of two, <= MAX_BLOCK_Q; the splits by `num_splits`; num_warps as `DecodeConfig` documents."""
+    @property
+    def k_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The keys' features in column blocks; a latent cache's start with the values' own."""
+        if self.latent:
+            return self.v_blocks + column_blocks(self.v_head_dim, self.head_dim - self.v_head_dim)
+        return column_blocks(0, self.head_dim)
+
+
+def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeConfig | None = None,
+           v_head_dim: int | None = None) -> DecodeTiling:
+    """The tiles of a call (`v_head_dim`: a latent cache's, whose `cache.v` is None).
+
+    block_k from `config`, by default by the features loaded per key (the mean of the key's
+    and value's head dims; a latent cache's key alone): 128 up to 128 features, 64 up to 256,
+    else 32, halved for float32 from 128; then reduced to the largest power of two dividing a
+    contiguous cache's length, or to the page size of a paged cache with pages of >= 64 keys.
+    block_q: the rows rounded up to a power of two, at most MAX_BLOCK_Q (fewer for values
+    wider than 128: its float32 accumulator is block_q x v_head_dim). The splits by
+    `num_splits`; num_warps as `DecodeConfig` documents.
+    """
     config = config or DecodeConfig()
     batch, q_len, heads, head_dim = q.shape
     kv_heads = cache.k.shape[2]
     group = heads // kv_heads
+    latent = cache.v is None
+    v_head_dim = v_head_dim if latent else cache.v.shape[3]
     block_k = config.block_k
     if block_k is None:
-        block_k = 128 if head_dim <= 128 else 64
-        if jnp.dtype(q.dtype) == jnp.float32 and head_dim >= 128:
+        # Features loaded per key (a latent cache's values are inside its keys).
+        features = max(head_dim, v_head_dim if latent else (head_dim + v_head_dim) // 2)
+        block_k = 128 if features <= 128 else 64 if features <= 256 else 32
+        if jnp.dtype(q.dtype) == jnp.float32 and features >= 128:
             block_k //= 2
     if cache.page_table is None:
         capacity = cache.k.shape[1]
@@ -215,9 +262,12 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
             # A tile within one page is a plain slice; a tile of several pages is a gather,
             # which reads HBM at about two thirds of the rate (64-key pages, H100).
             block_k = min(block_k, page_size)
-    block_q = min(MAX_BLOCK_Q, max(16, next_power_of_two(q_len * group)))
+    # A query tile's float32 accumulator holds block_q x v_head_dim: narrower tiles for wide values.
+    most_rows = max(16, MAX_BLOCK_Q * 128 // max(v_head_dim, 128))
+    block_q = min(most_rows, max(16, next_power_of_two(q_len * group)))
     t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1,
-                     num_warps=config.num_warps or 4, num_stages=config.num_stages)
+                     num_warps=config.num_warps or 4, num_stages=config.num_stages, head_dim=head_dim,
+                     v_head_dim=v_head_dim, latent=latent)
     if splits is None:
         splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=-(-capacity // block_k), sm_count=sm_count)
     if config.num_warps is None and splits == 1 and jnp.dtype(cache.k.dtype).name == FLOAT8:
@@ -252,36 +302,43 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
     lo = tiles.lo + split * per_split
     tiles = masks.restrict(tiles, lo, lo + per_split)
     precision = scoring.dot_precision(q_ref.dtype)
-    q = q_ref[...]
+    whole = t.k_blocks == ((0, head_dim),)
+    # Features in column blocks (576 = 512 + 64): q.k sums a product per block.
+    q_blocks = [q_ref[...]] if whole else [q_ref[:, pl.ds(start, size)] for start, size in t.k_blocks]
     # float16 rows of bfloat16 queries (float8 caches): each row's power of two, undone on q.k.
     q_unscale = None if q_unscale_ref is None else q_unscale_ref[...][:, None]
     # Scales per kv head are one number for the whole loop.
     k_scale = c.k_scale[head] if scales == "head" else None
     v_scale = c.v_scale[head] if scales == "head" else None
 
-    def load(ref, scale_ref, j):
-        """Key tile j (keys j * block_k ...) of a cache ref, and its per-page scales if any."""
+    def load(ref, scale_ref, j, blocks):
+        """Key tile j (keys j * block_k ...) of a cache ref in column blocks ([block_k, size]
+        each), and its per-page scales if any."""
+        features = lambda start, size: slice(None) if len(blocks) == 1 and size == ref.shape[-1] else pl.ds(start, size)
         if t.page_size is None:
-            return ref[pl.ds(pl.multiple_of(j * block_k, block_k), block_k), :], None
+            keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+            return [ref[keys, features(*b)] for b in blocks], None
         if t.page_size >= block_k:  # a slice of one page
             page = c.page_table[lax.div(j, t.tiles_per_page)]
             start = pl.multiple_of(lax.rem(j, t.tiles_per_page) * block_k, block_k)
             scale = scale_ref[page] if scales == "page" else None
-            return ref[page, pl.ds(start, block_k), :], scale
+            return [ref[page, pl.ds(start, block_k), features(*b)] for b in blocks], scale
         n = t.pages_per_tile  # whole pages gathered
         pages = c.page_table[pl.ds(pl.multiple_of(j * n, n), n)]
         scale = None
         if scales == "page":
             scale = jnp.broadcast_to(scale_ref[pages][:, None], (n, t.page_size)).reshape(1, block_k)
-        return ref[pages].reshape(block_k, head_dim), scale
+        return [ref[pages, :, features(*b)].reshape(block_k, b[1]) for b in blocks], scale
 
     def step(j, carry, masked):
         acc, m, l = carry
-        k, k_page_scale = load(c.k, c.k_scale, j)
-        v, v_page_scale = load(c.v, c.v_scale, j)
+        k_blocks, k_page_scale = load(c.k, c.k_scale, j, t.k_blocks)
         cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         # A float8 tile converts exactly to q's dtype; its scale is applied in float32.
-        qk = scoring.dot(q, k.astype(q.dtype), trans_b=True, precision=precision)
+        k_blocks = [k.astype(q_ref.dtype) for k in k_blocks]
+        qk = scoring.dot(q_blocks[0], k_blocks[0], trans_b=True, precision=precision)
+        for q, k in zip(q_blocks[1:], k_blocks[1:]):
+            qk = qk + scoring.dot(q, k, trans_b=True, precision=precision)
         if q_unscale is not None:
             qk = qk * q_unscale
         k_factor = k_scale if k_page_scale is None else k_page_scale
@@ -290,13 +347,18 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
         s, _ = scorer.logits(qk, rows, cols)
         if masked:
             s = scorer.mask(s, rows, cols, kv_length=length)
+        if t.latent:  # the values are the keys' leading blocks, already loaded
+            v_blocks, v_page_scale = k_blocks[: len(t.v_blocks)], k_page_scale
+        else:
+            v_blocks, v_page_scale = load(c.v, c.v_scale, j, t.v_blocks)
+            v_blocks = [v.astype(q_ref.dtype) for v in v_blocks]
         v_factor = v_scale if v_page_scale is None else v_page_scale
-        return scoring.online_softmax_step(
-            acc, m, l, s, v.astype(q.dtype), masked=masked, v_scale=v_factor, precision=precision,
-        )
+        values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
+        return scoring.online_softmax_step(acc, m, l, s, values, masked=masked, v_scale=v_factor, precision=precision)
 
+    v_zeros = [jnp.zeros((block_q, size), jnp.float32) for _, size in t.v_blocks]
     carry = (
-        jnp.zeros((block_q, head_dim), jnp.float32),
+        v_zeros[0] if len(v_zeros) == 1 else tuple(v_zeros),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -305,7 +367,11 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
     # Rows that met no key in this split output 0 with lse -inf (weight 0 in the merge).
     empty = l == 0.0
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-    o_ref[...] = acc * inv_l[:, None]
+    if len(t.v_blocks) == 1:
+        o_ref[...] = acc * inv_l[:, None]
+    else:
+        for (start, size), part in zip(t.v_blocks, acc):
+            o_ref[:, pl.ds(start, size)] = part * inv_l[:, None]
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
@@ -322,7 +388,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
       q: [B, q_len, H, D]; cache: as `KVCache` documents it, lengths within the capacity.
 
     Returns:
-      o float32 [B, Hkv, num_splits, q_tiles * block_q, D] and lse2 float32
+      o float32 [B, Hkv, num_splits, q_tiles * block_q, Dv] and lse2 float32
       [B, Hkv, num_splits, q_tiles * block_q]; row r is query r // group, head r % group.
     """
     batch, q_len, heads, head_dim = q.shape
@@ -338,7 +404,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
     scales = _scales_kind(cache)
     if cache.page_table is None:
         capacity = cache.k.shape[1]
-        kv_spec = pl.BlockSpec((None, capacity, None, head_dim), lambda b, h, s, i: (b, 0, h, 0))
+        cache_spec = lambda dim: pl.BlockSpec((None, capacity, None, dim), lambda b, h, s, i: (b, 0, h, 0))
         table = table_spec = None
     else:
         num_pages, page_size = cache.k.shape[:2]
@@ -346,7 +412,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         pages = common.round_up(cache.page_table.shape[1], t.pages_per_tile)
         table = jnp.pad(cache.page_table, ((0, 0), (0, pages - cache.page_table.shape[1])))
         capacity = pages * page_size
-        kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, h, s, i: (0, 0, h, 0))
+        cache_spec = lambda dim: pl.BlockSpec((num_pages, page_size, None, dim), lambda b, h, s, i: (0, 0, h, 0))
         table_spec = pl.BlockSpec((None, pages), lambda b, h, s, i: (b, 0))
     if scales == "head":
         scale_spec = pl.BlockSpec((kv_heads,), lambda b, h, s, i: (0,))
@@ -359,7 +425,8 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         t=t, num_k_tiles=capacity // t.block_k, scales=scales,
     )
     refs = _CacheRefs(cache.k, cache.v, table, cache.k_scale, cache.v_scale)
-    ref_specs = _CacheRefs(kv_spec, kv_spec, table_spec, scale_spec, scale_spec)
+    v_spec = None if cache.v is None else cache_spec(t.v_head_dim)
+    ref_specs = _CacheRefs(cache_spec(head_dim), v_spec, table_spec, scale_spec, scale_spec)
     out_index = lambda b, h, s, i: (b, h, s, i)
     return pl.pallas_call(
         kernel,
@@ -371,11 +438,11 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
             ref_specs,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, t.block_q, head_dim), lambda b, h, s, i: (*out_index(b, h, s, i), 0)),
+            pl.BlockSpec((None, None, None, t.block_q, t.v_head_dim), lambda b, h, s, i: (*out_index(b, h, s, i), 0)),
             pl.BlockSpec((None, None, None, t.block_q), out_index),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows, t.v_head_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
@@ -385,14 +452,15 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
-    """The Triton decode path: o [B, q_len, H, D] in q's dtype and the natural-log lse [B, H, q_len]."""
-    batch, q_len, heads, head_dim = q.shape
+    """The Triton decode path: o [B, q_len, H, Dv] in q's dtype and the natural-log lse [B, H, q_len]."""
+    batch, q_len, heads, _ = q.shape
     kv_heads = cache.k.shape[2]
-    t = tiling(q, cache, params.num_splits, params.sm_count, params.config)
+    t = tiling(q, cache, params.num_splits, params.sm_count, params.config, params.v_head_dim)
     o, lse2 = partials(q, cache, params, t)
     # Rows back to [split, B, q_len, H, ...] (head h * group + g), the layout `merge` takes.
-    o = o[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group, head_dim)
-    o = o.transpose(2, 0, 3, 1, 4, 5).reshape(t.num_splits, batch, q_len, heads, head_dim)
+    dv = t.v_head_dim
+    o = o[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group, dv)
+    o = o.transpose(2, 0, 3, 1, 4, 5).reshape(t.num_splits, batch, q_len, heads, dv)
     lse = lse2[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group) * common.LN2
     lse = lse.transpose(2, 0, 1, 4, 3).reshape(t.num_splits, batch, heads, q_len)
     out, out_lse = common.merge_splits(o, lse)

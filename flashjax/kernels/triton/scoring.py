@@ -179,11 +179,12 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=Non
     """One step of FlashAttention's running softmax over a key tile.
 
     Args:
-      acc: unnormalised output [block_q, D] (float32).
+      acc: unnormalised output [block_q, D] (float32); a tuple of column blocks
+        [block_q, D_i] when `v` is one.
       m: running row max [block_q] of the base-2 logits.
       l: running row sum [block_q] of exp2(s - m).
       s: this tile's base-2 logits [block_q, block_k], -inf where masked.
-      v: this tile's values [block_k, D].
+      v: this tile's values [block_k, D], or a tuple of their column blocks [block_k, D_i].
       masked: whether `s` may hold -inf (a boundary tile); then a row may have
         seen no key yet, and m stays -inf.
       keep: dropout keep mask of the tile; dropped weights still count in l
@@ -206,7 +207,10 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=Non
         p = jnp.where(keep, p, 0.0)
     if v_scale is not None:
         p = p * v_scale
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+    if isinstance(v, tuple):
+        acc = tuple(a * alpha[:, None] + dot(p.astype(b.dtype), b, precision=precision) for a, b in zip(acc, v))
+    else:
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
     return acc, m_new, l
 
 
