@@ -24,19 +24,20 @@ Sequence sharding is a different algorithm (keys live on other devices): use
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import checks
+from flashjax import checks, flex
 from flashjax.api import flash_attention
 
 __all__ = ["sharded_flash_attention"]
 
 # Keyword arguments of `flash_attention` that are arrays, by how they are sharded.
 _BATCH_ARRAYS = ("q_lengths", "kv_lengths")
+_HEAD_ARRAYS = ("alibi_slopes", "sinks")
 _PAIR_ARRAYS = ("bias", "mask")  # broadcastable to [batch, heads, q_len, kv_len]
-# Options of `flash_attention` not split per shard yet.
-_NOT_SHARDED = ("score_mod", "mask_mod", "block_mask", "sinks")
 
 
 def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=None, **kwargs):
@@ -63,11 +64,12 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
       **kwargs: any other argument of `flashjax.flash_attention`. Per-batch arrays
         (``segment_ids``, ``q_lengths``, ``kv_lengths``) follow ``batch_axis``;
         ``bias``/``mask`` follow the batch and head axes along the dims they are
-        not broadcast over; ``alibi_slopes`` follows ``head_axis``. Dropout draws an
+        not broadcast over; ``alibi_slopes`` and ``sinks`` follow ``head_axis``, and so
+        does a ``block_mask`` along its batch and head axes where it has them. A
+        ``score_mod``/``mask_mod`` sees the global batch and head indices (each shard's
+        offset added), and the arrays it closes over whole. Dropout draws an
         independent mask per shard (the key is folded with the shard index), so
         its bits differ from an unsharded call unless ``broadcast_dropout=True``.
-        ``score_mod``, ``mask_mod``, ``block_mask`` and ``sinks`` are refused (not
-        sharded yet).
 
     Returns:
       The output [batch, q_len, heads, head_dim] sharded as
@@ -79,14 +81,13 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         does not divide, or q/k/v arrive sharded along the sequence or head_dim
         (use `flashjax.ring.ring_attention` for the sequence).
     """
-    unsharded = [name for name in _NOT_SHARDED if kwargs.get(name) is not None]
-    if unsharded:
-        raise ValueError(
-            f"sharded_flash_attention does not take {', '.join(unsharded)} yet: per shard, a score_mod or "
-            "mask_mod would see shard-local batch and head indices, and the sinks and block masks would "
-            "need their own specs. Call flash_attention under your own jax.shard_map instead."
-        )
     _check(q, k, v, mesh, batch_axis, head_axis)
+    block_mask = kwargs.pop("block_mask", None)
+    if block_mask is not None:
+        block_mask = flex.check_block_mask(block_mask, kwargs.pop("mask_mod", None), q.shape[0], q.shape[2],
+                                           q.shape[1], k.shape[1])
+        kwargs["block_mask_blocks"] = block_mask.blocks
+    mods = {name: kwargs.pop(name) for name in ("score_mod", "mask_mod") if kwargs.get(name) is not None}
     spec = P(batch_axis, None, head_axis, None)
     lse_spec = P(batch_axis, head_axis, None)
     names, arrays, specs = [], [], []
@@ -105,6 +106,16 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
 
     def local(q, k, v, *local_arrays):
         options = dict(static, **dict(zip(names, local_arrays)))
+        if mods or block_mask is not None:
+            # The mods index the whole batch and all heads: this shard's first ones.
+            batch_offset = _shard_index(mesh, batch_axis, None) * q.shape[0]
+            head_offset = _shard_index(mesh, None, head_axis) * q.shape[2]
+            for name, mod in mods.items():
+                options[name] = _with_offsets(mod, name == "score_mod", batch_offset, head_offset)
+            if block_mask is not None:
+                options["block_mask"] = dataclasses.replace(
+                    block_mask, blocks=options.pop("block_mask_blocks"),
+                    mask_mod=_with_offsets(block_mask.mask_mod, False, batch_offset, head_offset))
         if fold_dropout:
             # The kernels' dropout hash sees local batch/head indices: without this
             # every shard would draw the same mask.
@@ -121,8 +132,15 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
+def _with_offsets(mod, is_score_mod: bool, batch_offset, head_offset):
+    """A score_mod or mask_mod of one shard: it passes the global batch and head indices on."""
+    if is_score_mod:
+        return lambda score, b, h, q_idx, kv_idx: mod(score, b + batch_offset, h + head_offset, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: mod(b + batch_offset, h + head_offset, q_idx, kv_idx)
+
+
 def _shard_index(mesh: Mesh, batch_axis, head_axis):
-    """This device's linear index over the batch and head axes."""
+    """This device's linear index over the batch and head axes (0 without either)."""
     index = 0
     for name in checks.mesh_axis_names(batch_axis) + checks.mesh_axis_names(head_axis):
         index = index * mesh.shape[name] + jax.lax.axis_index(name)
@@ -177,8 +195,12 @@ def _kwarg_spec(name, value, batch, heads, batch_axis, head_axis):
         return value, P(batch_axis, None)
     if name in _BATCH_ARRAYS:
         return value, P(batch_axis)
-    if name == "alibi_slopes":
+    if name in _HEAD_ARRAYS:
         return value, P(head_axis)
+    if name == "block_mask_blocks":  # [Bm, Hm, q tiles, k tiles], Bm and Hm 1 where broadcast
+        dim_b, dim_h = value.shape[:2]
+        return value, P(batch_axis if dim_b == batch and dim_b > 1 else None,
+                        head_axis if dim_h == heads and dim_h > 1 else None, None, None)
     if name == "dropout_rng":
         return value, P()
     if name in _PAIR_ARRAYS and hasattr(value, "ndim") and value.ndim <= 4:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import flashjax
 from conftest import check_close, check_lse
 from flashjax import reference
 from flashjax.sharding import sharded_flash_attention
@@ -76,6 +77,55 @@ def check_sharded(*, seed, mesh_shape, batch_axis, head_axis, batch=4, seq=64, h
     assert "all-gather" not in step.as_text(), "the sharded program gathers q, k or v"
 
 
+def check_sharded_mods(*, seed, block_mask: bool):
+    """score_mod (a learned table per head, a factor per batch row), a document mask_mod (ids per
+    batch row) and sinks on a batch x head mesh: the mods see global batch and head indices, so
+    output, lse and the gradients of q, k, v, the table and the sinks equal the reference's;
+    with ``block_mask`` the block mask built for the whole batch is split along with it."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    batch, seq, heads, head_dim = 4, 48, 4, 32
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    q, k, v, do = (draw(batch, seq, heads, head_dim) for _ in range(4))
+    dlse = draw(batch, heads, seq)
+    table, sinks = draw(heads, 9), draw(heads)
+    row_factor = jnp.asarray(rng.uniform(0.5, 2.0, batch), jnp.float32)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq)), axis=1), jnp.int32)
+
+    def score_mod_of(table):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * row_factor[b] + table[h, jnp.clip(kv_idx - q_idx + 4, 0, 8)]
+        return score_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx + h)
+
+    options = dict(mask_mod=mask_mod)
+    if block_mask:
+        options = dict(block_mask=flashjax.block_mask(mask_mod, batch, heads, seq, seq, block_q=16, block_k=16))
+
+    def sharded(q, k, v, table, sinks):
+        return sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data", head_axis="model",
+                                       score_mod=score_mod_of(table), sinks=sinks, return_lse=True,
+                                       backend="triton", **options)
+
+    def oracle(q, k, v, table, sinks):
+        return reference.attention(q, k, v, score_mod=score_mod_of(table), mask_mod=mask_mod, sinks=sinks,
+                                   return_lse=True)
+
+    def vjp(fn, *primals):
+        (o, lse), pullback = jax.vjp(fn, *primals)
+        return (o, lse, *pullback((do, dlse)))
+
+    got = jax.jit(lambda *p: vjp(sharded, *p))(q, k, v, table, sinks)
+    want = jax.jit(lambda *p: vjp(oracle, *p))(q, k, v, table, sinks)
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv", "dtable", "dsinks"), got, want):
+        if name == "lse":
+            check_lse(g, w, jnp.float32)
+        else:
+            check_close(g, w, jnp.float32, name)
+
+
 def check_errors():
     """Sequence or head_dim sharding, GQA head counts that do not divide: ValueErrors that say what to do."""
     mesh = jax.make_mesh((DEVICES,), ("x",))
@@ -106,6 +156,11 @@ def check_errors():
 )
 def test_sharded_matches_reference(case, request):
     run_on_devices(__file__, "check_sharded", seed=zlib.crc32(request.node.nodeid.encode()), **case)
+
+
+@pytest.mark.parametrize("block_mask", [False, True], ids=["mask-mod", "block-mask"])
+def test_sharded_mods_see_global_indices(block_mask, request):
+    run_on_devices(__file__, "check_sharded_mods", seed=zlib.crc32(request.node.nodeid.encode()), block_mask=block_mask)
 
 
 def test_sharded_errors():
