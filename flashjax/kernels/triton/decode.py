@@ -57,9 +57,10 @@ __all__ = ["supports", "decode", "num_splits", "DecodeTiling", "DecodeConfig"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 FLOAT8 = "float8_e4m3fn"
-# Head dims the kernel takes: keys up to MLA's latent 576 and beyond, values up to 512 (the
-# float32 accumulator of a query tile's rows is block_q x v_head_dim).
-MAX_DECODE_HEAD_DIM = 1024
+# Head dims the kernel takes: keys up to MLA's latent 576, values up to 512 (the float32
+# accumulator of a query tile's rows is block_q x v_head_dim). At these widths a key tile is
+# 32 keys: two pipeline stages of K and V stay within 140 KB of shared memory.
+MAX_DECODE_HEAD_DIM = 576
 MAX_DECODE_V_HEAD_DIM = 512
 # Query rows (q_len x group) per program; longer chunks get several query tiles.
 MAX_BLOCK_Q = 64
