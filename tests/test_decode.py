@@ -331,6 +331,21 @@ def test_jit_vmap_and_traced_lengths(rng):
     np.testing.assert_allclose(got[1], want[::-1], rtol=1e-6, atol=1e-6)
 
 
+def test_latent_cache_under_jit_and_vmap(rng):
+    """A latent cache (v_cache None) under jit, and vmapped over a leading axis of the cache."""
+    caches = [make_cache(rng, 2, 64, 1, F32, page_size=16, head_dim=48, v_head_dim=32, latent=True) for _ in range(2)]
+    q = draw_q(rng, 2, 1, 2, F32, 48)
+    lengths = jnp.array([64, 9], jnp.int32)
+    call = lambda q, k, table: flashjax.decode_attention(q, k, None, lengths, page_table=table, v_head_dim=32)
+    want = [call(q, c.k, c.page_table) for c in caches]
+    assert want[0].shape == (2, 1, 2, 32)
+    np.testing.assert_allclose(jax.jit(call)(q, caches[0].k, caches[0].page_table), want[0], rtol=1e-6, atol=1e-6)
+    got = jax.vmap(call, in_axes=(None, 0, 0))(q, jnp.stack([c.k for c in caches]),
+                                               jnp.stack([c.page_table for c in caches]))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
 def test_gradient_raises(rng):
     cache = make_cache(rng, 1, 32, 1, F32)
     q = draw_q(rng, 1, 1, 2, F32)
