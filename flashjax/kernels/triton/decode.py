@@ -334,6 +334,8 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
     def step(j, carry, masked):
         acc, m, l = carry
         k_blocks, k_page_scale = load(c.k, c.k_scale, j, t.k_blocks)
+        if not t.latent:
+            v_blocks, v_page_scale = load(c.v, c.v_scale, j, t.v_blocks)
         cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         # A float8 tile converts exactly to q's dtype; its scale is applied in float32.
         k_blocks = [k.astype(q_ref.dtype) for k in k_blocks]
@@ -351,7 +353,6 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
         if t.latent:  # the values are the keys' leading blocks, already loaded
             v_blocks, v_page_scale = k_blocks[: len(t.v_blocks)], k_page_scale
         else:
-            v_blocks, v_page_scale = load(c.v, c.v_scale, j, t.v_blocks)
             v_blocks = [v.astype(q_ref.dtype) for v in v_blocks]
         v_factor = v_scale if v_page_scale is None else v_page_scale
         values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
