@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flashjax import backends, checks
 from flashjax.params import DecodeCall, DecodeParams, KVCache
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "explain_decode"]
 
 
 def decode_attention(
@@ -131,6 +131,38 @@ def decode_attention(
     with jax.named_scope("decode_attention"):
         out, lse = _decode(q, cache, DecodeParams(**params, backend=choice.backend, config=config))
     return (out, lse) if return_lse else out
+
+
+def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", config=None, **options) -> backends.Choice:
+    """Which backend `decode_attention` runs this call on, and why the ones before it do not.
+
+    Takes the arguments of `decode_attention` (arrays or ``jax.ShapeDtypeStruct``s) and runs
+    nothing: ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))``
+    shows the backend chosen and each backend ``auto`` tried before it with its reasons.
+
+    Returns:
+      A `flashjax.backends.Choice` (its ``backend`` field names the one chosen).
+    """
+    options.pop("return_lse", None)
+    described = []
+
+    def describe(q, k_cache, v_cache, kv_lengths, arrays):
+        described.append(_prepare(q, k_cache, v_cache, kv_lengths, **_decode_options(arrays | static))[1])
+
+    arrays = {name: value for name, value in options.items() if hasattr(value, "shape")}
+    static = {name: value for name, value in options.items() if name not in arrays}
+    jax.eval_shape(describe, q, k_cache, v_cache, kv_lengths, arrays)  # checks and describes, computes nothing
+    return backends.choose_decode(described[0], backend, config)
+
+
+def _decode_options(options: dict) -> dict:
+    """`decode_attention`'s keyword options as `_prepare` takes them (defaults filled in)."""
+    defaults = dict(page_table=None, causal=True, window=None, softcap=None, scale=None, k_scale=None, v_scale=None,
+                    num_splits=None, v_head_dim=None)
+    unknown = set(options) - set(defaults)
+    if unknown:
+        raise TypeError(f"decode_attention got unexpected keyword arguments {sorted(unknown)}.")
+    return defaults | options
 
 
 def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, softcap, scale, k_scale, v_scale,

@@ -346,6 +346,24 @@ def test_latent_cache_under_jit_and_vmap(rng):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
+def test_explain_decode():
+    """explain_decode names the backend decode_attention takes and why the ones before it do
+    not, from shapes alone; it checks the arguments as decode_attention does."""
+    S = jax.ShapeDtypeStruct
+    q, latent = S((2, 1, 16, 80), BF16), S((40, 16, 1, 80), BF16)
+    table, lengths = S((2, 20), jnp.int32), S((2,), jnp.int32)
+    choice = flashjax.explain_decode(q, latent, None, lengths, page_table=table, v_head_dim=64, return_lse=True)
+    assert choice.backend in ("triton", "xla") and str(choice).startswith(f"forward: {choice.backend}")
+    assert flashjax.explain_decode(q, latent, None, lengths, page_table=table, v_head_dim=64, backend="xla").backend == "xla"
+    odd = S((2, 64, 1, 40), BF16)  # no multiple of 16: the Triton kernel passes, with its reason
+    choice = flashjax.explain_decode(S((2, 1, 4, 40), BF16), odd, odd, lengths)
+    assert choice.backend == "xla" and any("head_dim 40" in r for name, reasons in choice.passed for r in reasons)
+    with pytest.raises(ValueError, match="pass v_head_dim"):
+        flashjax.explain_decode(q, latent, None, lengths, page_table=table)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        flashjax.explain_decode(q, latent, None, lengths, page_table=table, v_head_dim=64, windw=(1, 1))
+
+
 def test_gradient_raises(rng):
     cache = make_cache(rng, 1, 32, 1, F32)
     q = draw_q(rng, 1, 1, 2, F32)
