@@ -457,8 +457,10 @@ def main(argv: list[str] | None = None) -> int:
                 results["cells"][cell.key] = e
         new_entries += entries
         save_results(path, results)  # after every row: an interrupted sweep keeps what it measured
-    print(f"\n{device} | jax {jax.__version__} | q_len {args.q_len}, {cells[0].heads} heads over "
-          f"{cells[0].kv_heads} kv heads, D={cells[0].head_dim} | {time.perf_counter() - start:.0f} s")
+    shapes = sorted({(c.cache == "mla", c.heads, c.kv_heads, c.head_dim, c.v_head_dim) for c in cells})
+    shapes = ", ".join(f"{'mla: ' if mla else ''}{h} heads over {hkv} kv heads, D={d}" + (f" (values {dv})" if dv else "")
+                       for mla, h, hkv, d, dv in shapes)
+    print(f"\n{device} | jax {jax.__version__} | q_len {args.q_len}, {shapes} | {time.perf_counter() - start:.0f} s")
     print(table(new_entries, hbm))
     bad = [e for e in new_entries if e["status"] not in ("ok", "unsupported", "unavailable")]
     if bad:
