@@ -952,12 +952,20 @@ def test_split_documents_with_segment_ids_stay_on_triton(monkeypatch):
     assert choice.backend == "triton" and "one vector per row" in str(choice), choice
 
 
-def test_sharded_attention_refuses_flex_options():
-    """sharded_flash_attention would hand a mod shard-local indices: it refuses rather than mislead."""
-    q = _q()
-    with pytest.raises(ValueError, match="score_mod, sinks"):
-        flashjax.sharded_flash_attention(q, q, q, mesh=None, batch_axis="data", score_mod=mods.tanh_softcap(2.0),
-                                         sinks=jnp.zeros((2,)))
+def test_sharded_attention_takes_flex_options(rng):
+    """On a one-device mesh sharded_flash_attention with a score_mod, sinks and a block mask is
+    flash_attention (tests/test_sharding.py checks the global indices on 4 devices); a block
+    mask built from another mask_mod than the one given is refused, as flash_attention does."""
+    mesh = jax.make_mesh((1,), ("data",))
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 32, 2, 16)), jnp.float32) for _ in range(3))
+    mask_mod = lambda b, h, i, j: j <= i + b
+    options = dict(score_mod=mods.tanh_softcap(2.0), sinks=jnp.asarray([0.5, -1.0]), backend="triton",
+                   block_mask=flashjax.block_mask(mask_mod, 2, 2, 32, 32, block_q=16, block_k=16))
+    got = flashjax.sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data", **options)
+    check_close(got, flashjax.flash_attention(q, k, v, **options), jnp.float32, "o")
+    with pytest.raises(ValueError, match="another mask_mod"):
+        flashjax.sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data", mask_mod=lambda b, h, i, j: j <= i,
+                                         **options)
 
 
 def test_docs_show_the_tested_mods():
