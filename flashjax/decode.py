@@ -33,6 +33,7 @@ def decode_attention(
     num_splits: int | None = None,
     config=None,
     v_head_dim: int | None = None,
+    sinks=None,
 ):
     """Attention of a few new queries per sequence over a KV cache, read in place.
 
@@ -106,6 +107,10 @@ def decode_attention(
         default.
       v_head_dim: with ``v_cache=None``, the values' head dim, in [1, head_dim] (a float8
         latent cache then takes ``k_scale`` only). Otherwise ``None`` (v_cache's own).
+      sinks: float ``[heads]``, a logit per query head that joins every row's softmax
+        denominator and contributes no value (gpt-oss's attention sinks), as in
+        `flash_attention`; folded in exactly after the splits are merged. A query without
+        keys then has lse = its sink's logit (and output 0).
 
     Returns:
       The output ``[batch, q_len, heads, v_head_dim]`` (v_head_dim = v_cache's head dim,
@@ -127,9 +132,10 @@ def decode_attention(
         q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,
         scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, v_head_dim=v_head_dim,
     )
+    sinks = checks.check_sinks(sinks, q.shape[2])
     choice = backends.choose_decode(call, backend, config)
     with jax.named_scope("decode_attention"):
-        out, lse = _decode(q, cache, DecodeParams(**params, backend=choice.backend, config=config))
+        out, lse = _decode(q, cache, sinks, DecodeParams(**params, backend=choice.backend, config=config))
     return (out, lse) if return_lse else out
 
 
@@ -159,6 +165,7 @@ def _decode_options(options: dict) -> dict:
     """`decode_attention`'s keyword options as `_prepare` takes them (defaults filled in)."""
     defaults = dict(page_table=None, causal=True, window=None, softcap=None, scale=None, k_scale=None, v_scale=None,
                     num_splits=None, v_head_dim=None)
+    options = {name: value for name, value in options.items() if name != "sinks"}  # not part of the choice
     unknown = set(options) - set(defaults)
     if unknown:
         raise TypeError(f"decode_attention got unexpected keyword arguments {sorted(unknown)}.")
@@ -207,15 +214,28 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
     return cache, call, params
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _decode(q, cache: KVCache, params: DecodeParams):
+@functools.partial(jax.jit, static_argnums=3)
+def _decode(q, cache: KVCache, sinks, params: DecodeParams):
     # Traced values escape the API's checks: keep every read inside the cache.
     if cache.page_table is None:
         lengths = jnp.clip(cache.lengths, 0, cache.k.shape[1])
     else:
         lengths = jnp.clip(cache.lengths, 0, cache.page_table.shape[1] * cache.k.shape[1])
         cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
-    return _forward_only(q, cache._replace(lengths=lengths), params)
+    out, lse = _forward_only(q, cache._replace(lengths=lengths), params)
+    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+
+
+def _with_sinks(out, lse, sinks):
+    """Each row's sink logit added to its softmax denominator, after the fact: the lse becomes
+    logaddexp(lse, sink) and the output is scaled by exp(lse - that) (0 for a row without keys).
+
+    out [B, q_len, H, Dv], lse [B, H, q_len], sinks [H]."""
+    sink = sinks.astype(jnp.float32)[None, :, None]
+    with_sink = jnp.logaddexp(lse, sink)
+    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - with_sink))
+    scaled = out.astype(jnp.float32) * jnp.transpose(weight, (0, 2, 1))[..., None]
+    return scaled.astype(out.dtype), with_sink
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

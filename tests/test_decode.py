@@ -94,7 +94,7 @@ def make_cache(rng, batch, capacity, kv_heads, dtype, *, page_size=None, scales=
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "softcap"))
-def _oracle(q, k, v, lengths, *, causal, window, softcap):
+def _oracle(q, k, v, lengths, sinks, *, causal, window, softcap):
     capacity = k.shape[1]
     # Sequence b's L keys moved to the end: key j of the array is key j - (capacity - L).
     shift = capacity - lengths
@@ -103,12 +103,12 @@ def _oracle(q, k, v, lengths, *, causal, window, softcap):
     valid = jnp.arange(capacity)[None, :] >= shift[:, None]
     return reference.attention(
         q.astype(F32), take(k), take(v), causal=causal, window=window, softcap=softcap,
-        mask=valid[:, None, None, :], return_lse=True,
+        mask=valid[:, None, None, :], sinks=sinks, return_lse=True,
     )
 
 
-def oracle(q, cache: Cache, lengths, *, causal=True, window=None, softcap=None):
-    return _oracle(q, jnp.asarray(cache.dense_k), jnp.asarray(cache.dense_v), jnp.asarray(lengths),
+def oracle(q, cache: Cache, lengths, *, causal=True, window=None, softcap=None, sinks=None):
+    return _oracle(q, jnp.asarray(cache.dense_k), jnp.asarray(cache.dense_v), jnp.asarray(lengths), sinks,
                    causal=causal, window=window, softcap=softcap)
 
 
@@ -239,6 +239,16 @@ def test_head_dims(rng, head_dim, v_head_dim, latent, page_size, scales, dtype, 
     cache = make_cache(rng, 3, 128, kv_heads, dtype, page_size=page_size, scales=scales, head_dim=head_dim,
                        v_head_dim=v_head_dim, latent=latent)
     check(draw_q(rng, 3, q_len, heads, dtype, head_dim), cache, [128, 0, 45], num_splits=2)
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_sinks(rng, backend):
+    """Attention sinks (a logit per query head in every row's denominator) against the
+    reference: a window, a sequence without keys (its rows: 0, lse = the sink), extreme sinks
+    (one that takes almost all the weight, one of -inf that is no sink)."""
+    cache = make_cache(rng, 3, 128, 2, BF16, page_size=32)
+    sinks = jnp.asarray([0.5, -1.0, 30.0, -jnp.inf], jnp.float32)
+    check(draw_q(rng, 3, 2, 4, BF16), cache, [128, 0, 45], backend=backend, window=(40, None), sinks=sinks)
 
 
 def test_latent_cache_matches_separate_values(rng):
@@ -500,6 +510,7 @@ BAD = [
     pytest.param(dict(num_splits=0), "num_splits must be", id="splits"),
     pytest.param(dict(causal="yes"), "causal must be a bool", id="causal"),
     pytest.param(dict(k_scale=jnp.ones(2)), "k_scale is for a float8_e4m3fn cache", id="scale-not-fp8"),
+    pytest.param(dict(sinks=jnp.zeros(3)), r"sinks must have shape \(4,\)", id="sinks-shape"),
 ]
 BAD_PAGED = [
     pytest.param(dict(page_table=jnp.array([0, 1], jnp.int32)), "page_table must have shape", id="table-rank"),
@@ -543,7 +554,7 @@ _EXAMPLES = 25 * (10 if os.environ.get("FLASHJAX_HYPOTHESIS_PROFILE") == "thorou
 def decode_cases(draw):
     """A decode call: cache kind and page size, dtype, head dims (values of their own, or a
     latent cache), q_len, GQA ratio, lengths (0 and the capacity included), causal, window,
-    softcap, splits and tiling, all drawn together."""
+    softcap, sinks, splits and tiling, all drawn together."""
     kind = draw(st.sampled_from(["contiguous", "paged", "fp8-head", "fp8-page"]))
     head_dim, v_head_dim, latent = draw(st.sampled_from(
         [(D, None, False), (D, None, False), (48, 16, False), (16, 64, False), (48, 32, True), (32, 32, True)]))
@@ -562,6 +573,7 @@ def decode_cases(draw):
         head_dim=head_dim, v_head_dim=v_head_dim, latent=latent,
         batch=batch, lengths=lengths, q_len=draw(st.sampled_from([1, 2, 5])), causal=causal, window=window,
         softcap=draw(st.sampled_from([None, 20.0])), num_splits=draw(st.sampled_from([None, 1, 3])),
+        sinks=draw(st.booleans()),
         config=draw(st.sampled_from([None, flashjax.DecodeConfig(block_k=16), flashjax.DecodeConfig(block_k=32)])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
@@ -580,5 +592,6 @@ def test_random_combinations_match_reference(case):
                        page_size=case["page_size"], scales=scales, head_dim=case["head_dim"],
                        v_head_dim=case["v_head_dim"], latent=case["latent"])
     q = draw_q(rng, case["batch"], case["q_len"], case["heads"], case["dtype"], case["head_dim"])
+    sinks = jnp.asarray(rng.normal(0.0, 2.0, case["heads"]), jnp.float32) if case["sinks"] else None
     check(q, cache, case["lengths"], num_splits=case["num_splits"], config=case["config"],
-          causal=case["causal"], window=case["window"], softcap=case["softcap"])
+          causal=case["causal"], window=case["window"], softcap=case["softcap"], sinks=sinks)
