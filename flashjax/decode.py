@@ -5,6 +5,7 @@ prefill, speculative verification); forward only. Argument checks, then the regi
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -149,27 +150,16 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` field names the one chosen).
     """
-    options.pop("return_lse", None)
+    # decode_attention's own signature: its defaults, and a TypeError for an unknown keyword.
+    bound = inspect.signature(decode_attention).bind(q, k_cache, v_cache, kv_lengths, **options)
+    bound.apply_defaults()
+    taken = {name: bound.arguments[name] for name in inspect.signature(_prepare).parameters}
+    arrays = {name: value for name, value in taken.items() if hasattr(value, "shape")}
+    static = {name: value for name, value in taken.items() if name not in arrays}
     described = []
-
-    def describe(q, k_cache, v_cache, kv_lengths, arrays):
-        described.append(_prepare(q, k_cache, v_cache, kv_lengths, **_decode_options(arrays | static))[1])
-
-    arrays = {name: value for name, value in options.items() if hasattr(value, "shape")}
-    static = {name: value for name, value in options.items() if name not in arrays}
-    jax.eval_shape(describe, q, k_cache, v_cache, kv_lengths, arrays)  # checks and describes, computes nothing
+    # Under eval_shape: checks and describes, computes nothing.
+    jax.eval_shape(lambda arrays: described.append(_prepare(**arrays, **static)[1]), arrays)
     return backends.choose_decode(described[0], backend, config)
-
-
-def _decode_options(options: dict) -> dict:
-    """`decode_attention`'s keyword options as `_prepare` takes them (defaults filled in)."""
-    defaults = dict(page_table=None, causal=True, window=None, softcap=None, scale=None, k_scale=None, v_scale=None,
-                    num_splits=None, v_head_dim=None)
-    options = {name: value for name, value in options.items() if name != "sinks"}  # not part of the choice
-    unknown = set(options) - set(defaults)
-    if unknown:
-        raise TypeError(f"decode_attention got unexpected keyword arguments {sorted(unknown)}.")
-    return defaults | options
 
 
 def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, softcap, scale, k_scale, v_scale,

@@ -82,11 +82,10 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         (use `flashjax.ring.ring_attention` for the sequence).
     """
     _check(q, k, v, mesh, batch_axis, head_axis)
-    block_mask = kwargs.pop("block_mask", None)
-    if block_mask is not None:
-        block_mask = flex.check_block_mask(block_mask, kwargs.pop("mask_mod", None), q.shape[0], q.shape[2],
-                                           q.shape[1], k.shape[1])
-        kwargs["block_mask_blocks"] = block_mask.blocks
+    if kwargs.get("block_mask") is not None:
+        # It carries its own mask_mod: that one (with offsets) is the one the shards use.
+        flex.check_block_mask(kwargs["block_mask"], kwargs.pop("mask_mod", None), q.shape[0], q.shape[2],
+                              q.shape[1], k.shape[1])
     mods = {name: kwargs.pop(name) for name in ("score_mod", "mask_mod") if kwargs.get(name) is not None}
     spec = P(batch_axis, None, head_axis, None)
     lse_spec = P(batch_axis, head_axis, None)
@@ -106,16 +105,16 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
 
     def local(q, k, v, *local_arrays):
         options = dict(static, **dict(zip(names, local_arrays)))
+        block_mask = options.get("block_mask")
         if mods or block_mask is not None:
             # The mods index the whole batch and all heads: this shard's first ones.
             batch_offset = _shard_index(mesh, batch_axis, None) * q.shape[0]
             head_offset = _shard_index(mesh, None, head_axis) * q.shape[2]
             for name, mod in mods.items():
                 options[name] = _with_offsets(mod, name == "score_mod", batch_offset, head_offset)
-            if block_mask is not None:
+            if block_mask is not None:  # its blocks arrive split; its mask_mod gets the offsets
                 options["block_mask"] = dataclasses.replace(
-                    block_mask, blocks=options.pop("block_mask_blocks"),
-                    mask_mod=_with_offsets(block_mask.mask_mod, False, batch_offset, head_offset))
+                    block_mask, mask_mod=_with_offsets(block_mask.mask_mod, False, batch_offset, head_offset))
         if fold_dropout:
             # The kernels' dropout hash sees local batch/head indices: without this
             # every shard would draw the same mask.
@@ -197,8 +196,8 @@ def _kwarg_spec(name, value, batch, heads, batch_axis, head_axis):
         return value, P(batch_axis)
     if name in _HEAD_ARRAYS:
         return value, P(head_axis)
-    if name == "block_mask_blocks":  # [Bm, Hm, q tiles, k tiles], Bm and Hm 1 where broadcast
-        dim_b, dim_h = value.shape[:2]
+    if name == "block_mask":  # a pytree whose leaf, blocks [Bm, Hm, q tiles, k tiles], is split
+        dim_b, dim_h = value.blocks.shape[:2]
         return value, P(batch_axis if dim_b == batch and dim_b > 1 else None,
                         head_axis if dim_h == heads and dim_h > 1 else None, None, None)
     if name == "dropout_rng":
