@@ -133,7 +133,20 @@ CONTIGUOUS = [
     pytest.param(3, 7, 4, 1, 128, BF16, True, [3, 1, 100], id="mqa-q7-bf16"),  # L < q_len: early queries see nothing
     pytest.param(2, 1, 2, 2, 48, F16, False, [1, 47], id="mha-q1-f16-full"),
     pytest.param(2, 33, 2, 1, 160, F32, True, [40, 160], id="mqa-q33-f32"),  # 66 rows: two query tiles
+    pytest.param(4, 3, 4, 2, 101, BF16, True, [101, 70, 64, 65], id="ragged-101-bf16"),  # 64-key tiles, the last ragged
 ]
+
+
+def test_ragged_cache_tiles(rng):
+    """A contiguous cache of any length keeps its tile: the last one is ragged (it ends at the
+    cache's end; the keys it shares with the tile before are masked), in every split, with a
+    window, and through the Flax module's cache sizes (prompt + new tokens)."""
+    for capacity, lengths in ((101, [101, 70, 37, 0]), (8 * 128 + 33, [1057, 1000, 1024, 999])):
+        cache = make_cache(rng, 4, capacity, 2, BF16)
+        kv = KVCache(cache.k, cache.v, jnp.asarray(lengths, jnp.int32))
+        assert triton_decode.tiling(draw_q(rng, 4, 1, 4, BF16), kv, None, 0).block_k == (64 if capacity < 128 else 128)
+        for num_splits, window in ((None, None), (3, None), (2, (40, None)), (1, (None, 0))):
+            check(draw_q(rng, 4, 2, 4, BF16), cache, lengths, num_splits=num_splits, window=window)
 
 
 @pytest.mark.parametrize("batch,q_len,heads,kv_heads,capacity,dtype,causal,lengths", CONTIGUOUS)
@@ -398,7 +411,8 @@ def test_choice():
     assert choice.backend == "triton" and passed == "mosaic" and "2.00 GiB K/V cache" in reasons[0]
     assert backends.choose_decode(_call(**hopper, batch=8, capacity=1 << 17)).backend == "mosaic"  # 4 GiB
     assert backends.choose_decode(_call()).backend == "triton"
-    for unsupported in (dict(head_dim=40), dict(capacity=1000), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
+    assert backends.choose_decode(_call(capacity=1000)).backend == "triton"  # a ragged last key tile
+    for unsupported in (dict(head_dim=40), dict(capacity=12), dict(page_size=24), dict(dtype=jnp.dtype(jnp.float64))):
         assert backends.choose_decode(_call(**unsupported)).backend == "xla", unsupported
         with pytest.raises(NotImplementedError, match="backend='triton'"):
             backends.choose_decode(_call(**unsupported), "triton")
@@ -470,7 +484,9 @@ def test_hopper_decode_splits_and_merges(rng, batch, q_len, heads, kv_heads, cap
 def test_num_splits_heuristic():
     # An H100 (132 SMs), 8 kv heads, one query tile, tiles of 128 keys.
     splits = lambda batch, keys: triton_decode.num_splits(programs=batch * 8, key_tiles=keys // 128, sm_count=132)
-    assert splits(1, 32768) == 33 and splits(8, 32768) == 5 and splits(64, 32768) == 1
+    assert splits(1, 32768) == 33 and splits(64, 32768) == 1
+    # 5 splits would make 320 programs: 36 SMs with 3, 96 with 2; 6 make 384, 3 on 120 SMs.
+    assert splits(8, 32768) == 6
     assert splits(1, 512) == 2  # each split reads at least MIN_TILES_PER_SPLIT tiles
     assert triton_decode.num_splits(programs=8, key_tiles=1000, sm_count=0) == triton_decode.CPU_SPLITS
     assert triton_decode.num_splits(programs=1, key_tiles=1, sm_count=0) == 1
@@ -559,11 +575,13 @@ def decode_cases(draw):
     head_dim, v_head_dim, latent = draw(st.sampled_from(
         [(D, None, False), (D, None, False), (48, 16, False), (16, 64, False), (48, 32, True), (32, 32, True)]))
     dtype = draw(st.sampled_from([F32, BF16, F16]))
-    capacity = 128
     page_size = None if kind == "contiguous" else draw(st.sampled_from([16, 32, 64, 128]))
+    # A contiguous cache of any length (a ragged last key tile); pages hold whole tiles.
+    capacity = draw(st.sampled_from([128, 101, 83])) if page_size is None else 128
     heads, kv_heads = draw(st.sampled_from([(4, 2), (4, 1), (2, 2)]))
     batch = draw(st.integers(1, 3))
     lengths = draw(st.lists(st.sampled_from([0, 1, 17, 64, 100, 127, 128]), min_size=batch, max_size=batch))
+    lengths = [min(length, capacity) for length in lengths]
     causal = draw(st.booleans())
     left = draw(st.sampled_from([None, 0, 9, 50]))
     right = 0 if causal else draw(st.sampled_from([None, 0, 3]))

@@ -299,6 +299,14 @@ def test_decode_kernel_lowers_to_triton_for_sm90(fake_h100, page_size, cache_dty
     assert not cache_copies(text, cache_shape, capacity, cache_element)
 
 
+@pytest.mark.parametrize("capacity,cache_dtype,scales", [(4097, jnp.bfloat16, None), (8225, jnp.float8_e4m3fn, "head")])
+def test_decode_ragged_cache_lowers_to_triton_for_sm90(fake_h100, capacity, cache_dtype, scales):
+    """A contiguous cache of an odd length (a ragged last key tile) lowers, read in place."""
+    text, cache_shape, capacity = lower_decode("triton", None, cache_dtype, scales, 1, None, capacity=capacity)
+    assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
+    assert not cache_copies(text, cache_shape, capacity, {jnp.bfloat16: "bf16", jnp.float8_e4m3fn: "f8E4M3FN"}[cache_dtype])
+
+
 @pytest.mark.parametrize(
     "head_dim,v_head_dim,latent,page_size,cache_dtype,scales",
     [

@@ -147,11 +147,11 @@ class DecodeConfig:
     """Tiling of the Triton decode kernel (`flashjax.decode_attention`).
 
     Attributes:
-      block_k: keys per step of the key loop (a power of two >= 16); None: 128 up to head
-        dim 128, else 64 (halved for float32 at head dim >= 128), at most the page size of
-        a paged cache with pages of >= 64 keys. With a paged cache a tile is a slice of one
-        page (pages >= block_k) or a gather of whole pages; with a contiguous cache it is
-        reduced to divide the cache's length.
+      block_k: keys per step of the key loop (a power of two >= 16); None: by the features
+        read per key, 128 up to 64, 64 up to 256, else 32 (halved for float32 past 128), at
+        most the page size of a paged cache with pages of >= 64 keys. With a paged cache a
+        tile is a slice of one page (pages >= block_k) or a gather of whole pages; a
+        contiguous cache whose length it does not divide ends in a ragged tile.
       num_warps: warps per program; None: 4, or 2 for a float8 cache whose batch fills the
         GPU without splitting the keys (measured on an H100: 1.4x faster at batch 64, and
         slower than 4 warps where the keys are split).
