@@ -1,7 +1,7 @@
 """Generate with a KV cache: a small decoder LM (Flax nnx) prefills a prompt, then decodes greedily.
 
 The model is examples/train_lm.py's ``DecoderLM`` (randomly initialised: the tokens are
-arbitrary, the work per token is real), with either attention:
+arbitrary, the work per token is real; parameters stored in ``--dtype``), with either attention:
 
 * ``--attention flash``: `flashjax.flax.nnx.FlashMultiHeadAttention(causal=True)`. Its
   ``decode=True`` path is `flashjax.decode_attention` (split-KV over the cache, each K/V
@@ -18,6 +18,11 @@ Examples::
   python examples/generate.py --attention flash --context 8192 --new-tokens 256 --batch 8 --dtype bfloat16
   python examples/generate.py --attention flax  --context 8192 --new-tokens 256 --batch 8 --dtype bfloat16
   python examples/generate.py --context 64 --new-tokens 8 --check   # CPU-sized; tokens vs no cache
+
+The cache holds ``--cache-len`` slots per sequence (default: the prompt and the new tokens).
+flashjax reads only the filled slots of each sequence; Flax's cached attention reads and
+masks all of them, so a cache sized for a longer sequence than the one generated (as a
+server allocates it) costs Flax in proportion and flashjax nothing.
 
 Prints the prefill time, the decode tokens/s (``batch * (new_tokens - 1)`` over the time
 of the compiled decode loop, run once untimed first), and the device's peak memory where it
@@ -48,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per cached call (flash)")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="KV cache slots per sequence (default: context + new tokens); a server allocates "
+                        "its longest sequence, e.g. 32768")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=8)
@@ -59,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write a JSON summary here")
     args = p.parse_args(argv)
     args.seq_len = args.context + args.new_tokens  # the position table's size (DecoderLM)
+    args.cache_len = args.cache_len or args.seq_len
+    if args.cache_len < args.seq_len:
+        p.error(f"--cache-len {args.cache_len} cannot hold context + new tokens ({args.seq_len})")
     return args
 
 
@@ -108,7 +119,7 @@ def generate(model, prompt, args):
 
     The decode loop runs once untimed on a copy of the model (it compiles), then, timed,
     on the model: the time is the device's, with no per-token dispatch."""
-    model.init_cache(prompt.shape[0], args.seq_len, _dtype(args.dtype))
+    model.init_cache(prompt.shape[0], args.cache_len, _dtype(args.dtype))
     start = time.perf_counter()
     token = jnp.argmax(prefill(model, prompt, args), axis=-1).astype(jnp.int32)
     token.block_until_ready()
@@ -131,8 +142,17 @@ def generate_without_cache(model, prompt, new_tokens: int):
     return sequence[:, prompt.shape[1]:]
 
 
+def cast_params(model, dtype):
+    """Stores the parameters in the compute dtype, as a server holds them (training keeps
+    float32 masters and casts per step; here that cast would be re-done every token)."""
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: p.astype(dtype), params))
+
+
 def run(args) -> dict:
     model = DecoderLM(args, rngs=nnx.Rngs(args.seed))
+    if args.dtype != "float32":
+        cast_params(model, _dtype(args.dtype))
     prompt = jax.random.randint(jax.random.key(args.seed + 1), (args.batch, args.context), 0, args.vocab)
     tokens, prefill_s, decode_s = generate(model, prompt, args)
     timed = args.batch * max(0, args.new_tokens - 1)  # the first token comes from the prefill

@@ -68,10 +68,12 @@ def test_generate_with_cache_matches_without(generate, tmp_path):
     in chunks) equal the tokens of re-running the whole sequence per token, and those of
     the same model with Flax's attention and its cache (prompt token by token)."""
     runs = {}
-    for attention in ("flash", "flax"):
-        out = tmp_path / f"{attention}.json"
-        generate.main(TINY_GENERATE + ["--attention", attention, "--check", "--out", str(out)])
-        runs[attention] = json.loads(out.read_text())
-    assert runs["flash"]["matches_no_cache"] and runs["flax"]["matches_no_cache"]
-    assert runs["flash"]["tokens"] == runs["flax"]["tokens"]
+    for name, attention, extra in (("flash", "flash", []), ("flax", "flax", []),
+                                   ("flash-long-cache", "flash", ["--cache-len", "75"])):
+        out = tmp_path / f"{name}.json"
+        generate.main(TINY_GENERATE + ["--attention", attention, "--check", "--out", str(out)] + extra)
+        runs[name] = json.loads(out.read_text())
+    assert all(run["matches_no_cache"] for run in runs.values())
+    assert runs["flash"]["tokens"] == runs["flax"]["tokens"] == runs["flash-long-cache"]["tokens"]
+    assert runs["flash-long-cache"]["config"]["cache_len"] == 75
     assert np.asarray(runs["flash"]["tokens"]).shape == (2, 7)
