@@ -261,8 +261,8 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
     if block_k is None:
         # Features loaded per key (a latent cache's values are inside its keys).
         features = max(head_dim, v_head_dim if latent else (head_dim + v_head_dim) // 2)
-        # 64-key tiles from 128 features on (more programs resident per SM): 2-7% faster
-        # than 128 at batch >= 8 and at batch 1 x 128k (H100, bf16, D = 128).
+        # 64-key tiles past 64 features: measured 2-7% faster than 128-key tiles at batch
+        # >= 8 and at batch 1 x 128k (H100, bf16, D = 128; benchmarks/results/decode-notes.md).
         block_k = 128 if features <= 64 else 64 if features <= 256 else 32
         if jnp.dtype(q.dtype) == jnp.float32 and features > 128:
             block_k //= 2
