@@ -4,10 +4,13 @@
     python benchmarks/plot.py results.json --config d64
     python benchmarks/plot.py --markdown               # print the markdown table
     python benchmarks/plot.py --readme README.md       # rewrite every generated table of the README
+    python benchmarks/plot.py --decode                 # the decode benchmark's PNG (benchmarks/decode.py)
 
 PNGs (next to the JSON): ``<device>-<config>-tflops.png`` (TFLOP/s against T per
 implementation; forward and forward+backward, causal and not) and
-``<device>-<config>-memory.png`` (compiled temp memory against T).
+``<device>-<config>-memory.png`` (compiled temp memory against T). ``--decode``:
+``decode-<device>.png`` from ``decode-<device>.json`` (each cell's K/V bandwidth as a share of
+HBM, per implementation; one panel per cache kind).
 
 The README's generated tables sit between ``<!-- NAME:begin -->`` and
 ``<!-- NAME:end -->`` markers: ``results`` (the sweep of benchmarks/attention.py),
@@ -131,6 +134,84 @@ def plot_file(path: Path, config: str, out_dir: Path | None = None) -> list[Path
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     return written
+
+
+DECODE_NAMES = {
+    "flashjax": "flashjax (Triton split-KV)",
+    "flashjax_mosaic": "flashjax (Hopper)",
+    "cudnn": "cuDNN (jax.nn)",
+    "fa3": "FA3 flash_mha_with_kvcache",
+    "pallas_gqa": "JAX Pallas decode gqa",
+    "xla": "XLA",
+}
+DECODE_PANELS = (("contiguous", "contiguous bf16 cache"), ("paged", "paged bf16 cache (64-key pages)"),
+                 ("fp8", "paged float8 cache (its own bytes)"), ("mla", "absorbed-MLA latent cache (576 / 512)"))
+
+
+def decode_files() -> list[Path]:
+    """The results files of benchmarks/decode.py (not its tile sweeps, decode-configs-*)."""
+    return sorted(p for p in RESULTS_DIR.glob("decode-*.json") if not p.name.startswith("decode-configs-"))
+
+
+def plot_decode(path: Path, out_dir: Path | None = None) -> Path | None:
+    """Writes ``<stem>.png`` for a benchmarks/decode.py results file: per cache kind, a bar
+    per implementation and cell (batch, context), its K/V bytes over the step time as a
+    share of the GPU's HBM bandwidth (the issue's 80% line drawn; TB/s where the file
+    knows no HBM bandwidth, as without a GPU). Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = load(path)
+    hbm = results.get("hbm_bytes_per_s")
+    ok = [e for e in results["cells"].values() if e.get("status") == "ok" and e.get("q_len", 1) == 1]
+    panels = [(kind, title) for kind, title in DECODE_PANELS if any(e["cache"] == kind for e in ok)]
+    if not panels:
+        print(f"{path}: no decode cells with a bandwidth to plot", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.2 * len(panels)), squeeze=False)
+    every = [i for i in DECODE_NAMES if any(e["impl"] == i for e in ok)]  # one colour per implementation
+    for ax, (kind, title) in zip(axes[:, 0], panels):
+        cells = sorted({(e["batch"], e["context"]) for e in ok if e["cache"] == kind}, key=lambda c: (c[0], c[1]))
+        impls = [i for i in every if any(e["impl"] == i and e["cache"] == kind for e in ok)]
+        width = 0.8 / len(impls)
+        for n, impl in enumerate(impls):
+            share = {(e["batch"], e["context"]): 100 * e["tb_per_s"] * 1e12 / hbm if hbm else e["tb_per_s"]
+                     for e in ok if e["cache"] == kind and e["impl"] == impl}
+            xs = [i + (n - (len(impls) - 1) / 2) * width for i, c in enumerate(cells) if c in share]
+            ys = [share[c] for c in cells if c in share]
+            if ys:
+                style = _style_for(impl, every)
+                ax.bar(xs, ys, width, **style)
+        ax.set_xticks(range(len(cells)), [f"B={b}, {_seq_label(t)}" for b, t in cells], fontsize=8)
+        if hbm:
+            ax.axhline(80, color="grey", linewidth=0.8, linestyle="--")
+            ax.set_ylim(0, 100)
+        ax.set_ylabel("% of HBM bandwidth" if hbm else "TB/s")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.suptitle(f"{results.get('device', path.stem)}: one decode step (q_len 1), K/V bytes read / time")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    out = (out_dir or path.parent) / f"{path.stem}.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _style_for(impl: str, impls: list[str]) -> dict:
+    import matplotlib.pyplot as plt
+
+    colour = plt.get_cmap("tab10")(impls.index(impl) % 10)
+    return dict(color=colour, label=DECODE_NAMES.get(impl, impl), edgecolor="black" if impl.startswith("flashjax") else None,
+                linewidth=0.6)
 
 
 def _seq_label(seq: int) -> str:
@@ -310,7 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", action="store_true", help="print the markdown table instead of plotting")
     p.add_argument("--readme", type=Path, help="rewrite the generated tables of this README")
     p.add_argument("--out-dir", type=Path, help="where to write the PNGs (default: next to the JSON)")
+    p.add_argument("--decode", action="store_true", help="plot benchmarks/decode.py's results (the given or found files)")
     args = p.parse_args(argv)
+    if args.decode:
+        files = args.files or decode_files()
+        written = [plot_decode(f, args.out_dir) for f in files]
+        for w in written:
+            if w is not None:
+                print(w)
+        return 0 if any(written) else 1
     files = args.files or default_files()
     if not files:
         print(f"no results in {RESULTS_DIR}; run benchmarks/attention.py first", file=sys.stderr)

@@ -72,6 +72,10 @@ def test_decode_smoke(tmp_path, capsys):
         else:
             assert cell["status"] in ("unsupported", "unavailable"), (key, cell)
     assert "effective bandwidth" in capsys.readouterr().out  # the table
+    # The README's decode plot from these cells: a PNG beside the JSON.
+    pytest.importorskip("matplotlib")
+    png = _script("plot").plot_decode(out)
+    assert png == tmp_path / "decode.png" and png.stat().st_size > 10_000
 
 
 def test_flex_smoke(tmp_path, capsys):
