@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from flashjax import backends, checks
+from flashjax.kernels.common import fold_sinks
 from flashjax.params import DecodeCall, DecodeParams, KVCache
 
 __all__ = ["decode_attention", "explain_decode"]
@@ -215,19 +216,7 @@ def _decode(q, cache: KVCache, sinks, params: DecodeParams):
         lengths = jnp.clip(cache.lengths, 0, cache.page_table.shape[1] * cache.k.shape[1])
         cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
     out, lse = _forward_only(q, cache._replace(lengths=lengths), params)
-    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
-
-
-def _with_sinks(out, lse, sinks):
-    """Each row's sink logit added to its softmax denominator, after the fact: the lse becomes
-    logaddexp(lse, sink) and the output is scaled by exp(lse - that) (0 for a row without keys).
-
-    out [B, q_len, H, Dv], lse [B, H, q_len], sinks [H]."""
-    sink = sinks.astype(jnp.float32)[None, :, None]
-    with_sink = jnp.logaddexp(lse, sink)
-    weight = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - with_sink))
-    scaled = out.astype(jnp.float32) * jnp.transpose(weight, (0, 2, 1))[..., None]
-    return scaled.astype(out.dtype), with_sink
+    return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

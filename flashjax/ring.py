@@ -57,7 +57,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from flashjax import backends, checks
-from flashjax.kernels.common import merge
+from flashjax.kernels.common import fold_sinks, merge
 from flashjax.params import AttentionParams, Call, Extras
 
 __all__ = ["ring_attention", "zigzag_order", "zigzag_restore"]
@@ -142,6 +142,7 @@ def ring_attention(
     head_axis=None,
     backend: str = "auto",
     config=None,
+    sinks=None,
 ):
     """Exact attention with the sequence sharded over a mesh axis (context parallelism).
 
@@ -189,6 +190,10 @@ def ring_attention(
         without segment ids, else the Triton kernels; ``"xla"``: pure-JAX blocks,
         materialising each block's scores, for checking).
       config: the chosen backend's config for the per-block calls; ``None`` = tuned default.
+      sinks: float ``[heads]``, a logit per query head that joins every row's softmax
+        denominator and contributes no value (gpt-oss's attention sinks), as in
+        `flashjax.flash_attention`; folded in exactly after the ring's merge (a row without
+        keys then outputs 0 with lse = its sink's logit). Differentiable (dsinks).
 
     Returns:
       The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
@@ -204,7 +209,10 @@ def ring_attention(
     segments = None if q_ids is None else (q_ids, kv_ids)
     ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
                   segments is not None)
+    sinks = checks.check_sinks(sinks, q.shape[2])
     o, lse = _ring_jit(ring, q, k, v, segments)
+    if sinks is not None:
+        o, lse = fold_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 

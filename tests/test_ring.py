@@ -39,24 +39,28 @@ def _packed_ids(lengths_per_row, total: int):
 
 
 @functools.partial(jax.jit, static_argnames="causal")
-def _reference_with_ids(x: Inputs, segment_ids, *, causal: bool) -> Result:
-    # conftest.reference_result takes static options only; the ids are arrays.
+def _reference_with_arrays(x: Inputs, segment_ids, sinks, *, causal: bool):
+    """(Result, dsinks or None): the reference with segment ids and sinks (arrays, so not
+    through conftest.reference_result), differentiated in the sinks too."""
     up = lambda a: a.astype(jnp.float32)
-    fn = lambda q, k, v: reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, return_lse=True)
-    (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v))
-    return Result(o, lse, *pullback((up(x.do), x.dlse)))
+    fn = lambda q, k, v, s: reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=s,
+                                                return_lse=True)
+    (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v), sinks)
+    dq, dk, dv, dsinks = pullback((up(x.do), x.dlse))
+    return Result(o, lse, dq, dk, dv), dsinks
 
 
 def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=None, heads=2, kv_heads=2,
                head_dim=32, dtype="float32", backend="triton", mesh_shape=(DEVICES,), batch_axis=None,
-               segments=None, kv_segments=None):
+               segments=None, kv_segments=None, sinks=False):
     """Ring output, lse and gradients (through o and lse) equal the reference's.
 
     With ``causal`` and ``load_balance``, inputs, cotangents, segment ids and the
     reference's results are put in zig-zag order (the layout the ring expects)
     before comparing. ``segments``: document lengths per batch row (natural order)
     for packed segment ids; with ``kv_segments`` too, the ids are a pair (q ids
-    from ``segments``, kv ids from ``kv_segments``).
+    from ``segments``, kv ids from ``kv_segments``). ``sinks``: a sink logit per head (the
+    first head's -inf: no sink), and dsinks checked too.
     """
     dtype = jnp.dtype(dtype)
     seq_k = seq_q if seq_k is None else seq_k
@@ -64,12 +68,16 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     mesh = jax.make_mesh(mesh_shape, names)
     n = mesh.shape["sp"]
     x = _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype)
-    ids = None
+    ids = sink_logits = want_dsinks = None
     if segments is not None:
         ids = _packed_ids(segments, seq_q)
         if kv_segments is not None:
             ids = (ids, _packed_ids(kv_segments, seq_k))
-        want = _reference_with_ids(x, ids, causal=causal)
+    if sinks:
+        sink_logits = jnp.asarray(np.random.default_rng(seed + 1).normal(0.0, 2.0, heads), jnp.float32)
+        sink_logits = sink_logits.at[0].set(-jnp.inf)
+    if ids is not None or sinks:
+        want, want_dsinks = _reference_with_arrays(x, ids, sink_logits, causal=causal)
     else:
         want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
     if causal and load_balance:
@@ -77,14 +85,16 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         want = Result(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in want))
         ids = jax.tree.map(lambda a: zigzag_order(a, n, axis=1), ids)
 
-    def ring(q, k, v, ids):
+    def ring(q, k, v, sinks, ids):
         return ring_attention(
             q, k, v, mesh=mesh, axis_name="sp", causal=causal, load_balance=load_balance,
-            return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids,
+            return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids, sinks=sinks,
         )
 
-    (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v)
-    dq, dk, dv = pullback((x.do, x.dlse))
+    (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v, sink_logits)
+    dq, dk, dv, dsinks = pullback((x.do, x.dlse))
+    if sinks:
+        check_close(dsinks, want_dsinks, dtype, "dsinks")
     assert o.dtype == dtype and dq.dtype == dtype and dk.dtype == dtype
     check_close(o, want.o, dtype, "o")
     check_lse(lse, want.lse, dtype)
@@ -112,9 +122,16 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         # Contiguous causal layout, other ids per batch row (one boundary on a shard edge).
         dict(causal=True, load_balance=False, batch=2, mesh_shape=(2, 2), batch_axis="dp", backend="xla",
              segments=[[20, 50, 40], [64, 64]]),
+        # Sinks folded after the ring's merge: with the kernels' zig-zag steps and rows
+        # without keys (their lse becomes the sink's; the first head has none, -inf), and
+        # on the contiguous layout.
+        dict(causal=True, load_balance=True, heads=4, kv_heads=2, segments=[[40, 40, 48]], kv_segments=[[40, 50, 38]],
+             sinks=True),
+        dict(causal=True, load_balance=False, heads=4, kv_heads=1, backend="xla", sinks=True),
     ],
     ids=["full-gqa", "causal-zigzag-gqa-bf16", "xla-causal-contiguous", "xla-cross-mqa", "xla-dp-sp",
-         "xla-full-gqa-segments", "causal-zigzag-gqa-segments-empty-rows", "xla-dp-sp-contiguous-segments"],
+         "xla-full-gqa-segments", "causal-zigzag-gqa-segments-empty-rows", "xla-dp-sp-contiguous-segments",
+         "causal-zigzag-sinks-empty-rows", "xla-causal-contiguous-mqa-sinks"],
 )
 def test_ring_matches_reference(case, request):
     seed = zlib.crc32(request.node.nodeid.encode())
@@ -158,6 +175,8 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(segment_ids=(np.zeros((1, 64), np.int32), np.zeros((2, 64), np.int32))), "kv segment_ids must have"),
         (dict(segment_ids=np.zeros((1, 64), np.float32)), "segment_ids must be integers"),
         (dict(causal=False, seq_k=32, segment_ids=np.zeros((1, 64), np.int32)), "segment_ids as one array"),
+        (dict(sinks=np.zeros(3, np.float32)), "sinks"),
+        (dict(sinks=np.zeros(2, np.int32)), "sinks"),
     ],
 )
 def test_ring_errors(kwargs, message):

@@ -67,6 +67,24 @@ def merge(o_a, lse_a, o_b, lse_b):
     return weight(lse_a) * o_a + weight(lse_b) * o_b, lse
 
 
+def fold_sinks(out, lse, sinks):
+    """Each row's sink logit added to its softmax denominator after the fact (sinks do not
+    touch the keys' weights, only their normaliser): the lse becomes logaddexp(lse, sink)
+    and the output is scaled by exp(lse - that) (0 for a row without keys, whose lse is then
+    the sink's). Exact, and differentiable in all three (dsinks by autodiff).
+
+    out [B, T, H, Dv], lse [B, H, T] (natural log), sinks [H]."""
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+    empty = lse == -jnp.inf
+    # The inner wheres keep -inf - -inf (a row without keys, a sink of -inf) out of
+    # logaddexp, exp and their gradients.
+    nothing = empty & (sink == -jnp.inf)
+    with_sink = jnp.where(nothing, -jnp.inf, jnp.logaddexp(jnp.where(nothing, 0.0, lse), jnp.where(nothing, 0.0, sink)))
+    weight = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - with_sink)))
+    scaled = out.astype(jnp.float32) * jnp.transpose(weight, (0, 2, 1))[..., None]
+    return scaled.astype(out.dtype), with_sink
+
+
 def merge_splits(o, lse):
     """`merge` of S partial attentions over disjoint key sets: o float32 [S, B, T, H, D], lse
     [S, B, H, T] -> ([B, T, H, D], [B, H, T])."""
