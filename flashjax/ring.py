@@ -143,6 +143,7 @@ def ring_attention(
     backend: str = "auto",
     config=None,
     sinks=None,
+    softcap: float | None = None,
 ):
     """Exact attention with the sequence sharded over a mesh axis (context parallelism).
 
@@ -194,6 +195,9 @@ def ring_attention(
         denominator and contributes no value (gpt-oss's attention sinks), as in
         `flashjax.flash_attention`; folded in exactly after the ring's merge (a row without
         keys then outputs 0 with lse = its sink's logit). Differentiable (dsinks).
+      softcap: if set (a static number > 0), logits = ``softcap * tanh(logits / softcap)``
+        (Gemma 2), in every block call: it depends on no position, so each block applies it
+        exactly.
 
     Returns:
       The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
@@ -208,7 +212,7 @@ def ring_attention(
     q_ids, kv_ids = checks.check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
     segments = None if q_ids is None else (q_ids, kv_ids)
     ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
-                  segments is not None)
+                  segments is not None, checks.check_softcap(softcap))
     sinks = checks.check_sinks(sinks, q.shape[2])
     o, lse = _ring_jit(ring, q, k, v, segments)
     if sinks is not None:
@@ -247,7 +251,7 @@ class _Ring:
 
 
 def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
-           has_segments: bool) -> _Ring:
+           has_segments: bool, softcap: float | None) -> _Ring:
     batch, seq_q, heads, head_dim = q.shape
     seq_k = k.shape[1]
     if not isinstance(axis_name, str):
@@ -270,12 +274,12 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
     call = Call(
         batch=batch // sizes["batch_axis"], seq_q=seq_q // n, seq_k=seq_k // n, heads=heads // sizes["head_axis"],
         kv_heads=k.shape[2] // sizes["head_axis"], head_dim=head_dim, dtype=jnp.dtype(q.dtype), causal=causal,
-        arrays=frozenset({"segment_ids"} if has_segments else ()), platform=device.platform,
+        softcap=softcap, arrays=frozenset({"segment_ids"} if has_segments else ()), platform=device.platform,
         compute_capability=str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else "",
     )
     choice = backends.choose(call, backend, config)
     block = AttentionParams(
-        scale=checks.check_scale(scale, head_dim), backend=choice.backend, config=choice.config,
+        scale=checks.check_scale(scale, head_dim), softcap=softcap, backend=choice.backend, config=choice.config,
         backward_backend=choice.backward_backend, backward_config=choice.backward_config,
         interpret=device.platform != "gpu",
     )

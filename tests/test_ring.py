@@ -38,13 +38,13 @@ def _packed_ids(lengths_per_row, total: int):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames="causal")
-def _reference_with_arrays(x: Inputs, segment_ids, sinks, *, causal: bool):
+@functools.partial(jax.jit, static_argnames=("causal", "softcap"))
+def _reference_with_arrays(x: Inputs, segment_ids, sinks, *, causal: bool, softcap=None):
     """(Result, dsinks or None): the reference with segment ids and sinks (arrays, so not
     through conftest.reference_result), differentiated in the sinks too."""
     up = lambda a: a.astype(jnp.float32)
     fn = lambda q, k, v, s: reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=s,
-                                                return_lse=True)
+                                                softcap=softcap, return_lse=True)
     (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v), sinks)
     dq, dk, dv, dsinks = pullback((up(x.do), x.dlse))
     return Result(o, lse, dq, dk, dv), dsinks
@@ -52,7 +52,7 @@ def _reference_with_arrays(x: Inputs, segment_ids, sinks, *, causal: bool):
 
 def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=None, heads=2, kv_heads=2,
                head_dim=32, dtype="float32", backend="triton", mesh_shape=(DEVICES,), batch_axis=None,
-               segments=None, kv_segments=None, sinks=False):
+               segments=None, kv_segments=None, sinks=False, softcap=None):
     """Ring output, lse and gradients (through o and lse) equal the reference's.
 
     With ``causal`` and ``load_balance``, inputs, cotangents, segment ids and the
@@ -60,7 +60,7 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     before comparing. ``segments``: document lengths per batch row (natural order)
     for packed segment ids; with ``kv_segments`` too, the ids are a pair (q ids
     from ``segments``, kv ids from ``kv_segments``). ``sinks``: a sink logit per head (the
-    first head's -inf: no sink), and dsinks checked too.
+    first head's -inf: no sink), and dsinks checked too; ``softcap`` caps the logits.
     """
     dtype = jnp.dtype(dtype)
     seq_k = seq_q if seq_k is None else seq_k
@@ -77,9 +77,9 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         sink_logits = jnp.asarray(np.random.default_rng(seed + 1).normal(0.0, 2.0, heads), jnp.float32)
         sink_logits = sink_logits.at[0].set(-jnp.inf)
     if ids is not None or sinks:
-        want, want_dsinks = _reference_with_arrays(x, ids, sink_logits, causal=causal)
+        want, want_dsinks = _reference_with_arrays(x, ids, sink_logits, causal=causal, softcap=softcap)
     else:
-        want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
+        want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal, softcap=softcap)
     if causal and load_balance:
         x = Inputs(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in x))
         want = Result(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in want))
@@ -88,7 +88,7 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     def ring(q, k, v, sinks, ids):
         return ring_attention(
             q, k, v, mesh=mesh, axis_name="sp", causal=causal, load_balance=load_balance,
-            return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids, sinks=sinks,
+            return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids, sinks=sinks, softcap=softcap,
         )
 
     (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v, sink_logits)
@@ -128,10 +128,14 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         dict(causal=True, load_balance=True, heads=4, kv_heads=2, segments=[[40, 40, 48]], kv_segments=[[40, 50, 38]],
              sinks=True),
         dict(causal=True, load_balance=False, heads=4, kv_heads=1, backend="xla", sinks=True),
+        # A softcap (position-free, so exact per block): kernels, zig-zag; and xla, full.
+        dict(causal=True, load_balance=True, heads=4, kv_heads=2, softcap=2.0, sinks=True),
+        dict(causal=False, seq_q=64, seq_k=128, backend="xla", softcap=1.5),
     ],
     ids=["full-gqa", "causal-zigzag-gqa-bf16", "xla-causal-contiguous", "xla-cross-mqa", "xla-dp-sp",
          "xla-full-gqa-segments", "causal-zigzag-gqa-segments-empty-rows", "xla-dp-sp-contiguous-segments",
-         "causal-zigzag-sinks-empty-rows", "xla-causal-contiguous-mqa-sinks"],
+         "causal-zigzag-sinks-empty-rows", "xla-causal-contiguous-mqa-sinks", "causal-zigzag-softcap-sinks",
+         "xla-cross-softcap"],
 )
 def test_ring_matches_reference(case, request):
     seed = zlib.crc32(request.node.nodeid.encode())
@@ -177,6 +181,7 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(causal=False, seq_k=32, segment_ids=np.zeros((1, 64), np.int32)), "segment_ids as one array"),
         (dict(sinks=np.zeros(3, np.float32)), "sinks"),
         (dict(sinks=np.zeros(2, np.int32)), "sinks"),
+        (dict(softcap=-1.0), "softcap must be a finite number > 0"),
     ],
 )
 def test_ring_errors(kwargs, message):
