@@ -37,6 +37,12 @@ query ids and the held block's kv ids to the block kernels, and the zig-zag bran
 slice the ids exactly as they slice q and K/V. A block in which a query row meets
 no key of its segment gives that row lse = -inf, i.e. weight 0 in the merge.
 
+score_mod and mask_mod see global positions: each block call gets the map from its
+local query and key indices to the global ones (two chunks on a side in the zig-zag
+layout, one per sliced side, the held block's device for the keys) as an operand, and a
+wrapper of the user's function applies it; the gradients of the float arrays a score_mod
+closes over are summed over the steps and the devices.
+
 Communication overlap: the ppermute of the next K/V block is issued before the
 current block's attention and nothing of that step reads its result, so XLA
 schedules it as an asynchronous collective-permute (start ... done) around the
@@ -51,12 +57,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import backends, checks
+from flashjax import backends, checks, flex
 from flashjax.kernels.common import fold_sinks, merge
 from flashjax.params import AttentionParams, Call, Extras
 
@@ -144,6 +152,8 @@ def ring_attention(
     config=None,
     sinks=None,
     softcap: float | None = None,
+    score_mod=None,
+    mask_mod=None,
 ):
     """Exact attention with the sequence sharded over a mesh axis (context parallelism).
 
@@ -198,6 +208,13 @@ def ring_attention(
       softcap: if set (a static number > 0), logits = ``softcap * tanh(logits / softcap)``
         (Gemma 2), in every block call: it depends on no position, so each block applies it
         exactly.
+      score_mod, mask_mod: as in `flashjax.flash_attention` (``score_mod(score, b, h, q_idx,
+        kv_idx)``, ``mask_mod(b, h, q_idx, kv_idx)``), called with global batch, head and
+        sequence indices: positions in the natural order of the sequence (with ``causal``
+        and ``load_balance`` the zig-zag layout is undone for them; without ``causal`` the
+        shards are taken in natural order). Differentiable in the float arrays a score_mod
+        closes over. The blocks then run on the Triton kernels under ``auto``, and each
+        block call builds its mask_mod's block mask (no ``block_mask`` argument).
 
     Returns:
       The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
@@ -211,10 +228,11 @@ def ring_attention(
     checks.check_qkv(q, k, v)
     q_ids, kv_ids = checks.check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
     segments = None if q_ids is None else (q_ids, kv_ids)
+    mods = _trace_mods(score_mod, mask_mod, q.dtype)
     ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
-                  segments is not None, checks.check_softcap(softcap))
+                  segments is not None, checks.check_softcap(softcap), mods)
     sinks = checks.check_sinks(sinks, q.shape[2])
-    o, lse = _ring_jit(ring, q, k, v, segments)
+    o, lse = _ring_jit(ring, q, k, v, segments, mods.score_consts, mods.mask_consts)
     if sinks is not None:
         o, lse = fold_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
@@ -233,6 +251,13 @@ class _Ring:
     batch_axis: object
     head_axis: object
     block: AttentionParams  # the per-block calls' parameters and backends (causal set per call)
+    # Where the block's position map sits among each mod's closed-over arrays (None: no mod).
+    score_slot: int | None = None
+    mask_slot: int | None = None
+
+    @property
+    def has_mods(self) -> bool:
+        return self.score_slot is not None or self.mask_slot is not None
 
     @property
     def qkv_spec(self):
@@ -251,7 +276,7 @@ class _Ring:
 
 
 def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
-           has_segments: bool, softcap: float | None) -> _Ring:
+           has_segments: bool, softcap: float | None, mods: "_Mods") -> _Ring:
     batch, seq_q, heads, head_dim = q.shape
     seq_k = k.shape[1]
     if not isinstance(axis_name, str):
@@ -270,45 +295,160 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
             layout = f"the zig-zag layout (2 chunks per device, {n} devices)" if zigzag else f"{n} equal shards"
             raise ValueError(f"{name}'s sequence length {length} must be a multiple of {parts} for {layout}.")
     device = mesh.devices.flat[0]
+    has_mods = mods.score is not None or mods.mask is not None
+    if has_mods and backend == "auto" and device.platform == "gpu":
+        backend = "triton"  # the ring's blocks with mods are verified on the Triton kernels
     # The block calls: a device's queries against a block of keys (a zig-zag step halves one side).
     call = Call(
         batch=batch // sizes["batch_axis"], seq_q=seq_q // n, seq_k=seq_k // n, heads=heads // sizes["head_axis"],
         kv_heads=k.shape[2] // sizes["head_axis"], head_dim=head_dim, dtype=jnp.dtype(q.dtype), causal=causal,
         softcap=softcap, arrays=frozenset({"segment_ids"} if has_segments else ()), platform=device.platform,
+        mods=frozenset(name for name, mod in (("score_mod", mods.score), ("mask_mod", mods.mask)) if mod is not None),
+        score_mod=mods.score, mask_mod=mods.mask,
         compute_capability=str(getattr(device, "compute_capability", "")) if device.platform == "gpu" else "",
     )
     choice = backends.choose(call, backend, config)
     block = AttentionParams(
-        scale=checks.check_scale(scale, head_dim), softcap=softcap, backend=choice.backend, config=choice.config,
+        scale=checks.check_scale(scale, head_dim), softcap=softcap, score_mod=mods.score, mask_mod=mods.mask,
+        backend=choice.backend, config=choice.config,
         backward_backend=choice.backward_backend, backward_config=choice.backward_config,
         interpret=device.platform != "gpu",
     )
     return _Ring(mesh=mesh, axis_name=axis_name, size=n, causal=causal, zigzag=zigzag, batch_axis=batch_axis,
-                 head_axis=head_axis, block=block)
+                 head_axis=head_axis, block=block, score_slot=mods.score_slot, mask_slot=mods.mask_slot)
+
+
+# ---- score_mod / mask_mod: global positions per block -------------------------------------
+# A block's position map: (q_first, q_second, q_split, k_first, k_second, k_split, batch
+# offset, head offset); local index i of a side is global `first + i` below `split`, else
+# `second + i - split` (a zig-zag side holds two chunks).
+_POSITION_FIELDS = 8
+
+
+class _Mods(NamedTuple):
+    """The traced mods (None without), where the position map sits among their closed-over
+    arrays, and the user's closed-over arrays (the map left out)."""
+
+    score: object = None
+    score_slot: int | None = None
+    score_consts: tuple = ()
+    mask: object = None
+    mask_slot: int | None = None
+    mask_consts: tuple = ()
+
+
+def _trace_mods(score_mod, mask_mod, dtype) -> _Mods:
+    """Traces the user's mods wrapped to see global indices through a position-map operand
+    (a placeholder array here; each block call passes its own)."""
+    if score_mod is None and mask_mod is None:
+        return _Mods()
+    if score_mod is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+        raise ValueError(f"score_mod takes real scores; got {dtype} inputs.")
+    placeholder = jnp.zeros((_POSITION_FIELDS,), jnp.int32)
+
+    def globals_of(b, h, q_idx, kv_idx):
+        # One element per read (the kernels read a closed-over array only so).
+        at = lambda field: jax.lax.dynamic_index_in_dim(placeholder, field, keepdims=False)
+        side = lambda i, first, second, split: jnp.where(i < split, first + i, second + (i - split))
+        return (b + at(6), h + at(7), side(q_idx, at(0), at(1), at(2)), side(kv_idx, at(3), at(4), at(5)))
+
+    fields = {}
+    for name, fn, kind in (("score", score_mod, flex.SCORE_MOD), ("mask", mask_mod, flex.MASK_MOD)):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise ValueError(f"{kind} must be a function, got {type(fn).__name__}.")
+        wrapped = ((lambda s, *idx, fn=fn: fn(s, *globals_of(*idx))) if kind == flex.SCORE_MOD
+                   else (lambda *idx, fn=fn: fn(*globals_of(*idx))))
+        mod, consts = flex.trace(wrapped, kind)
+        slot = next(i for i, c in enumerate(consts) if c is placeholder)
+        fields |= {name: mod, f"{name}_slot": slot, f"{name}_consts": consts[:slot] + consts[slot + 1:]}
+    return _Mods(**fields)
+
+
+def _positions(ring: _Ring, step: int, shard: tuple[int, int], parts: tuple[str, str], batch: int, heads: int):
+    """The position map of a block call at `step` (traced: it depends on the device).
+
+    shard: the local query shard's and the held block's lengths; parts: which of them the
+    call takes, "all" or (zig-zag) its "first" or "second" chunk; batch, heads: the local
+    batch and query-head counts (their global offsets come from the mesh)."""
+    n = ring.size
+    r = jax.lax.axis_index(ring.axis_name)
+
+    def side(device, rows, part):
+        if not ring.zigzag:  # natural order: shard `device` of the sequence
+            return device * rows, device * rows + rows, rows
+        chunk = rows // 2
+        first, second = device * chunk, (2 * n - 1 - device) * chunk
+        if part == "all":
+            return first, second, chunk
+        start = first if part == "first" else second
+        return start, start + chunk, chunk
+
+    q_map = side(r, shard[0], parts[0])
+    k_map = side((r - step) % n, shard[1], parts[1])  # the block held at `step` is device r - step's
+    offsets = (_axes_index(ring, ring.batch_axis) * batch, _axes_index(ring, ring.head_axis) * heads)
+    return jnp.stack([jnp.asarray(x, jnp.int32) for x in (*q_map, *k_map, *offsets)])
+
+
+def _axes_index(ring: _Ring, axes):
+    """This device's linear index over some mesh axes (0 without any)."""
+    index = jnp.int32(0)
+    for name in checks.mesh_axis_names(axes):
+        index = index * ring.mesh.shape[name] + jax.lax.axis_index(name)
+    return index
 
 
 # ---- one block ----------------------------------------------------------------------------
-def _extras(seg) -> Extras:
-    """The block's optional arrays: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any."""
-    return Extras() if seg is None else Extras(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+def _extras(ring: _Ring, seg, mods, position) -> Extras:
+    """The block's optional arrays: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any,
+    and its mods' closed-over arrays with the block's position map in its slot."""
+    extras = Extras() if seg is None else Extras(q_segment_ids=seg[0], kv_segment_ids=seg[1])
+    if mods is None:
+        return extras
+    score_consts, mask_consts = mods
+    with_map = lambda consts, slot: None if slot is None else (*consts[:slot], position, *consts[slot:])
+    return extras._replace(score_consts=with_map(score_consts, ring.score_slot),
+                           mask_consts=with_map(mask_consts, ring.mask_slot))
 
 
-def _block_forward(ring: _Ring, q, k, v, causal: bool, seg):
+def _block_forward(ring: _Ring, q, k, v, causal: bool, seg, mods=None, position=None):
     """(o [B, Tq, H, D] float32, lse [B, H, Tq]) of q attending one K/V block.
 
-    ``seg``: None or (q_ids [B, Tq], kv_ids [B, Tk]) of exactly these queries and keys.
+    ``seg``: None or (q_ids [B, Tq], kv_ids [B, Tk]) of exactly these queries and keys;
+    ``mods``: None or the user's (score_consts, mask_consts), with the block's ``position``
+    map (`_positions`).
     """
     params = ring.params(causal)
-    o, lse = backends.get(params.backend).forward(q, k, v, _extras(seg), params, params.config)
+    o, lse = backends.get(params.backend).forward(q, k, v, _extras(ring, seg, mods, position), params, params.config)
     return o.astype(jnp.float32), lse
 
 
-def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg):
-    """This block's share of (dq, dk, dv), float32, given the *global* o and lse."""
+def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg, mods=None, position=None):
+    """This block's share of (dq, dk, dv), float32, given the *global* o and lse, and of the
+    gradients of the score_mod's float closed-over arrays (`_const_grads`)."""
     params = ring.params(causal)
     backward = backends.get(params.backward_backend).backward
-    dq, dk, dv, _ = backward(q, k, v, o, lse, do, dlse, _extras(seg), params, params.backward_config)
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+    extras = _extras(ring, seg, mods, position)
+    dq, dk, dv, dextras = backward(q, k, v, o, lse, do, dlse, extras, params, params.backward_config)
+    dconsts = None
+    if mods is not None:
+        grads = dextras.score_consts
+        if grads is not None and ring.score_slot is not None:
+            grads = grads[:ring.score_slot] + grads[ring.score_slot + 1:]  # the position map's (an int)
+        dconsts = _const_grads(mods[0], grads)
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), dconsts
+
+
+def _const_grads(consts, grads=None):
+    """Float32 gradients of a score_mod's float closed-over arrays (zeros where `grads` has
+    none), None for the others: the same structure from every branch of a step."""
+    grads = grads or (None,) * len(consts)
+    return tuple(
+        None if not jnp.issubdtype(c.dtype, jnp.floating) else
+        (jnp.zeros(c.shape, jnp.float32) if g is None else g.astype(jnp.float32))
+        for c, g in zip(consts, grads)
+    )
 
 
 # ---- one ring step: which part of the block this device's queries see ----------------
@@ -331,26 +471,29 @@ def _last_queries(seg, c: int):
     return None if seg is None else (seg[0][:, c:], seg[1])
 
 
-def _step_forward(ring: _Ring, step: int, q, k, v, seg):
+def _step_forward(ring: _Ring, step: int, q, k, v, seg, mods=None):
     """(o, lse) of the local queries against the K/V block held at `step`; masked work skipped.
 
-    ``seg``: None or (the local q_ids [B, Tq], the held block's kv_ids [B, Tk]).
+    ``seg``: None or (the local q_ids [B, Tq], the held block's kv_ids [B, Tk]); ``mods``:
+    None or the user's (score_consts, mask_consts).
     """
+    at = _position_of(ring, step, q, k, mods)
     if not ring.causal:
-        return _block_forward(ring, q, k, v, False, seg)
+        return _block_forward(ring, q, k, v, False, seg, mods, at("all", "all"))
     if step == 0:
-        return _block_forward(ring, q, k, v, True, seg)
+        return _block_forward(ring, q, k, v, True, seg, mods, at("all", "all"))
     if not ring.zigzag:
         # A whole earlier block is visible; a later one is invisible: no kernel call at all.
         empty = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.full(_lse_shape(q), -jnp.inf, jnp.float32))
-        return jax.lax.cond(_visible_earlier(ring, step), lambda: _block_forward(ring, q, k, v, False, seg), empty)
+        full = lambda: _block_forward(ring, q, k, v, False, seg, mods, at("all", "all"))
+        return jax.lax.cond(_visible_earlier(ring, step), full, empty)
     c = q.shape[1] // 2
 
     def earlier():  # every local query sees the block's first chunk, none sees its second
-        return _block_forward(ring, q, k[:, :c], v[:, :c], False, _first_keys(seg, c))
+        return _block_forward(ring, q, k[:, :c], v[:, :c], False, _first_keys(seg, c), mods, at("all", "first"))
 
     def later():  # only the local second chunk sees the block, all of it
-        o2, lse2 = _block_forward(ring, q[:, c:], k, v, False, _last_queries(seg, c))
+        o2, lse2 = _block_forward(ring, q[:, c:], k, v, False, _last_queries(seg, c), mods, at("second", "all"))
         o1 = jnp.zeros_like(o2)
         lse1 = jnp.full_like(lse2, -jnp.inf)
         return jnp.concatenate([o1, o2], axis=1), jnp.concatenate([lse1, lse2], axis=2)
@@ -358,29 +501,42 @@ def _step_forward(ring: _Ring, step: int, q, k, v, seg):
     return jax.lax.cond(_visible_earlier(ring, step), earlier, later)
 
 
-def _step_backward(ring: _Ring, step: int, q, k, v, seg, o, lse, do, dlse):
-    """(dq, dk, dv) shares of the block held at `step`, mirroring `_step_forward` (same ids)."""
+def _step_backward(ring: _Ring, step: int, q, k, v, seg, o, lse, do, dlse, mods=None):
+    """(dq, dk, dv, dconsts) shares of the block held at `step`, mirroring `_step_forward`
+    (same ids and position maps); dconsts: `_const_grads` (None without mods)."""
+    at = _position_of(ring, step, q, k, mods)
     if not ring.causal:
-        return _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg)
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg, mods, at("all", "all"))
     if step == 0:
-        return _block_backward(ring, q, k, v, o, lse, do, dlse, True, seg)
+        return _block_backward(ring, q, k, v, o, lse, do, dlse, True, seg, mods, at("all", "all"))
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    no_consts = None if mods is None else _const_grads(mods[0])
     if not ring.zigzag:
-        full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg)
-        return jax.lax.cond(_visible_earlier(ring, step), full, lambda: (zeros(q), zeros(k), zeros(v)))
+        full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg, mods, at("all", "all"))
+        return jax.lax.cond(_visible_earlier(ring, step), full, lambda: (zeros(q), zeros(k), zeros(v), no_consts))
     c = q.shape[1] // 2
 
     def earlier():
-        dq, dk1, dv1 = _block_backward(ring, q, k[:, :c], v[:, :c], o, lse, do, dlse, False, _first_keys(seg, c))
-        return dq, jnp.concatenate([dk1, zeros(dk1)], axis=1), jnp.concatenate([dv1, zeros(dv1)], axis=1)
+        dq, dk1, dv1, dconsts = _block_backward(ring, q, k[:, :c], v[:, :c], o, lse, do, dlse, False,
+                                                _first_keys(seg, c), mods, at("all", "first"))
+        return dq, jnp.concatenate([dk1, zeros(dk1)], axis=1), jnp.concatenate([dv1, zeros(dv1)], axis=1), dconsts
 
     def later():
-        dq2, dk, dv = _block_backward(
-            ring, q[:, c:], k, v, o[:, c:], lse[:, :, c:], do[:, c:], dlse[:, :, c:], False, _last_queries(seg, c)
+        dq2, dk, dv, dconsts = _block_backward(
+            ring, q[:, c:], k, v, o[:, c:], lse[:, :, c:], do[:, c:], dlse[:, :, c:], False, _last_queries(seg, c),
+            mods, at("second", "all"),
         )
-        return jnp.concatenate([zeros(dq2), dq2], axis=1), dk, dv
+        return jnp.concatenate([zeros(dq2), dq2], axis=1), dk, dv, dconsts
 
     return jax.lax.cond(_visible_earlier(ring, step), earlier, later)
+
+
+def _position_of(ring: _Ring, step: int, q, k, mods):
+    """at(q_part, k_part) -> the block's position map (None without mods)."""
+    if mods is None:
+        return lambda q_part, k_part: None
+    return lambda q_part, k_part: _positions(ring, step, (q.shape[1], k.shape[1]), (q_part, k_part), q.shape[0],
+                                             q.shape[2])
 
 
 def _lse_shape(q):
@@ -404,8 +560,9 @@ def _pair(q_ids, kv_ids):
     return None if q_ids is None else (q_ids, kv_ids)
 
 
-def _local_forward(ring: _Ring, q, k, v, segments):
+def _local_forward(ring: _Ring, q, k, v, segments, score_consts=(), mask_consts=()):
     q_ids, kv_ids = _split(segments)
+    mods = (score_consts, mask_consts) if ring.has_mods else None
     held = (k, v, kv_ids)  # a block's kv ids travel with its K/V (None: nothing to send)
     o = lse = None
     for step in range(ring.size):
@@ -413,22 +570,27 @@ def _local_forward(ring: _Ring, q, k, v, segments):
         # of the next block overlaps the kernel.
         incoming = _shift(ring, held) if step < ring.size - 1 else None
         k_s, v_s, kv_ids_s = held
-        o_s, lse_s = _step_forward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s))
+        o_s, lse_s = _step_forward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s), mods)
         o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
         held = incoming
     return o.astype(q.dtype), lse
 
 
-def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse):
+def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse, score_consts=(), mask_consts=()):
     q_ids, kv_ids = _split(segments)
+    mods = (score_consts, mask_consts) if ring.has_mods else None
     held = (k, v, kv_ids)
     dq = jnp.zeros(q.shape, jnp.float32)
+    dconsts = None if mods is None else _const_grads(score_consts)
     arriving = None  # the dK/dV accumulator of the block now held, sent by the previous device
     for step in range(ring.size):
         incoming = _shift(ring, held) if step < ring.size - 1 else None
         k_s, v_s, kv_ids_s = held
-        dq_s, dk_s, dv_s = _step_backward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s), o, lse, do, dlse)
+        dq_s, dk_s, dv_s, dconsts_s = _step_backward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s), o, lse, do,
+                                                     dlse, mods)
         dq = dq + dq_s
+        if mods is not None:
+            dconsts = tuple(None if a is None else a + b for a, b in zip(dconsts, dconsts_s))
         # The accumulator is added to only after this step's kernels, so its transfer
         # (sent at the end of the previous step) overlaps them.
         acc = (dk_s, dv_s) if arriving is None else (arriving[0] + dk_s, arriving[1] + dv_s)
@@ -436,7 +598,14 @@ def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse):
         arriving = _shift(ring, acc)
         held = incoming
     dk, dv = arriving
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    if mods is None:
+        return grads
+    # Every device's blocks add to the closed-over arrays' gradients: summed over the mesh
+    # axes that split the work.
+    axes = (ring.axis_name, *checks.mesh_axis_names(ring.batch_axis), *checks.mesh_axis_names(ring.head_axis))
+    total = tuple(None if g is None else jax.lax.psum(g, axes).astype(c.dtype) for g, c in zip(dconsts, score_consts))
+    return (*grads, total)
 
 
 # ---- global arrays: shard_map, custom_vjp, jit --------------------------------------------
@@ -467,40 +636,57 @@ def _place_segments(ring: _Ring, segments):
     return None if segments is None else tuple(_place(ring, ids, ring.ids_spec) for ids in segments)
 
 
-def _forward_global(ring: _Ring, q, k, v, segments):
+def _consts_specs(consts):
+    """Closed-over arrays are whole on every device (the mods index them globally)."""
+    return tuple(P() for _ in consts)
+
+
+def _forward_global(ring: _Ring, q, k, v, segments, score_consts, mask_consts):
     spec = ring.qkv_spec
     q, k, v = (_place(ring, x, spec) for x in (q, k, v))
-    in_specs = (spec, spec, spec, _segments_spec(ring, segments))
+    in_specs = (spec, spec, spec, _segments_spec(ring, segments), _consts_specs(score_consts), _consts_specs(mask_consts))
     fn = _sharded(ring, _local_forward, in_specs, (spec, ring.lse_spec))
-    return fn(q, k, v, _place_segments(ring, segments))
+    return fn(q, k, v, _place_segments(ring, segments), *_place_consts(ring, score_consts, mask_consts))
+
+
+def _place_consts(ring: _Ring, score_consts, mask_consts):
+    return tuple(tuple(_place(ring, c, P()) for c in consts) for consts in (score_consts, mask_consts))
 
 
 # segments: None or (q_ids int32 [B, Tq], kv_ids int32 [B, Tk]); integers, so no cotangent.
+# score_consts / mask_consts: the arrays the mods close over (the float ones of score_consts
+# differentiable).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, segments):
-    return _forward_global(ring, q, k, v, segments)
+def _ring(ring: _Ring, q, k, v, segments, score_consts, mask_consts):
+    return _forward_global(ring, q, k, v, segments, score_consts, mask_consts)
 
 
-def _ring_fwd(ring: _Ring, q, k, v, segments):
-    o, lse = _forward_global(ring, q, k, v, segments)
-    return (o, lse), (q, k, v, segments, o, lse)
+def _ring_fwd(ring: _Ring, q, k, v, segments, score_consts, mask_consts):
+    o, lse = _forward_global(ring, q, k, v, segments, score_consts, mask_consts)
+    return (o, lse), (q, k, v, segments, score_consts, mask_consts, o, lse)
 
 
 def _ring_bwd(ring: _Ring, residuals, cotangents):
-    q, k, v, segments, o, lse = residuals
+    q, k, v, segments, score_consts, mask_consts, o, lse = residuals
     do, dlse = cotangents
     spec, lse_spec = ring.qkv_spec, ring.lse_spec
-    in_specs = (spec, spec, spec, _segments_spec(ring, segments), spec, lse_spec, spec, lse_spec)
+    in_specs = (spec, spec, spec, _segments_spec(ring, segments), spec, lse_spec, spec, lse_spec,
+                _consts_specs(score_consts), _consts_specs(mask_consts))
+    out_specs = (spec, spec, spec)
+    if ring.has_mods:
+        out_specs += (tuple(P() if jnp.issubdtype(c.dtype, jnp.floating) else None for c in score_consts),)
     q, k, v, o, do = (_place(ring, x, spec) for x in (q, k, v, o, do.astype(o.dtype)))
     lse, dlse = (_place(ring, x, lse_spec) for x in (lse, dlse))
-    fn = _sharded(ring, _local_backward, in_specs, (spec, spec, spec))
-    dq, dk, dv = fn(q, k, v, _place_segments(ring, segments), o, lse, do, dlse)
-    return dq, dk, dv, None
+    fn = _sharded(ring, _local_backward, in_specs, out_specs)
+    grads = fn(q, k, v, _place_segments(ring, segments), o, lse, do, dlse,
+               *_place_consts(ring, score_consts, mask_consts))
+    dscore = grads[3] if ring.has_mods else tuple(None for _ in score_consts)
+    return (*grads[:3], None, dscore, tuple(None for _ in mask_consts))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _ring_jit(ring: _Ring, q, k, v, segments):
-    return _ring(ring, q, k, v, segments)
+def _ring_jit(ring: _Ring, q, k, v, segments, score_consts, mask_consts):
+    return _ring(ring, q, k, v, segments, score_consts, mask_consts)

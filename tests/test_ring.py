@@ -38,21 +38,36 @@ def _packed_ids(lengths_per_row, total: int):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softcap"))
-def _reference_with_arrays(x: Inputs, segment_ids, sinks, *, causal: bool, softcap=None):
-    """(Result, dsinks or None): the reference with segment ids and sinks (arrays, so not
-    through conftest.reference_result), differentiated in the sinks too."""
+def _mods(table, doc_ids, window: int):
+    """A score_mod with a learned relative-position bias per head (closing over a float
+    table, differentiable) and a mask_mod of documents (closing over int ids) with a
+    window: both read global positions, so a ring that passed local ones would differ."""
+    length = table.shape[1] // 2
+    score_mod = lambda score, b, h, q_idx, kv_idx: score + table[h % table.shape[0], q_idx - kv_idx + length]
+    mask_mod = lambda b, h, q_idx, kv_idx: (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx - kv_idx < window)
+    return score_mod, mask_mod
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softcap", "window"))
+def _reference_with_arrays(x: Inputs, segment_ids, sinks, table, doc_ids, *, causal: bool, softcap=None, window=None):
+    """(Result, dsinks or None, dtable or None): the reference with segment ids, sinks and
+    mods (arrays, so not through conftest.reference_result), differentiated in the sinks
+    and the score_mod's table too."""
     up = lambda a: a.astype(jnp.float32)
-    fn = lambda q, k, v, s: reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=s,
-                                                softcap=softcap, return_lse=True)
-    (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v), sinks)
-    dq, dk, dv, dsinks = pullback((up(x.do), x.dlse))
-    return Result(o, lse, dq, dk, dv), dsinks
+
+    def fn(q, k, v, s, t):
+        mods = {} if t is None else dict(zip(("score_mod", "mask_mod"), _mods(t, doc_ids, window)))
+        return reference.attention(q, k, v, causal=causal, segment_ids=segment_ids, sinks=s, softcap=softcap,
+                                   return_lse=True, **mods)
+
+    (o, lse), pullback = jax.vjp(fn, up(x.q), up(x.k), up(x.v), sinks, table)
+    dq, dk, dv, dsinks, dtable = pullback((up(x.do), x.dlse))
+    return Result(o, lse, dq, dk, dv), dsinks, dtable
 
 
 def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=None, heads=2, kv_heads=2,
                head_dim=32, dtype="float32", backend="triton", mesh_shape=(DEVICES,), batch_axis=None,
-               segments=None, kv_segments=None, sinks=False, softcap=None):
+               segments=None, kv_segments=None, sinks=False, softcap=None, mods=False):
     """Ring output, lse and gradients (through o and lse) equal the reference's.
 
     With ``causal`` and ``load_balance``, inputs, cotangents, segment ids and the
@@ -60,7 +75,8 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     before comparing. ``segments``: document lengths per batch row (natural order)
     for packed segment ids; with ``kv_segments`` too, the ids are a pair (q ids
     from ``segments``, kv ids from ``kv_segments``). ``sinks``: a sink logit per head (the
-    first head's -inf: no sink), and dsinks checked too; ``softcap`` caps the logits.
+    first head's -inf: no sink), and dsinks checked too; ``softcap`` caps the logits;
+    ``mods``: `_mods` (documents of 40 tokens, a 48-token window), the table's gradient checked.
     """
     dtype = jnp.dtype(dtype)
     seq_k = seq_q if seq_k is None else seq_k
@@ -68,7 +84,7 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     mesh = jax.make_mesh(mesh_shape, names)
     n = mesh.shape["sp"]
     x = _inputs(seed, batch, seq_q, seq_k, heads, kv_heads, head_dim, dtype)
-    ids = sink_logits = want_dsinks = None
+    ids = sink_logits = want_dsinks = table = doc_ids = want_dtable = None
     if segments is not None:
         ids = _packed_ids(segments, seq_q)
         if kv_segments is not None:
@@ -76,8 +92,13 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
     if sinks:
         sink_logits = jnp.asarray(np.random.default_rng(seed + 1).normal(0.0, 2.0, heads), jnp.float32)
         sink_logits = sink_logits.at[0].set(-jnp.inf)
-    if ids is not None or sinks:
-        want, want_dsinks = _reference_with_arrays(x, ids, sink_logits, causal=causal, softcap=softcap)
+    if mods:
+        rng = np.random.default_rng(seed + 2)
+        table = jnp.asarray(rng.normal(0.0, 1.0, (heads, 2 * seq_k)), jnp.float32)
+        doc_ids = jnp.asarray(np.broadcast_to(np.arange(max(seq_q, seq_k)) // 40, (batch, max(seq_q, seq_k))), jnp.int32)
+    if ids is not None or sinks or mods:
+        want, want_dsinks, want_dtable = _reference_with_arrays(x, ids, sink_logits, table, doc_ids, causal=causal,
+                                                                softcap=softcap, window=48 if mods else None)
     else:
         want = reference_result(x.q, x.k, x.v, x.do, x.dlse, causal=causal, softcap=softcap)
     if causal and load_balance:
@@ -85,16 +106,20 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         want = Result(*(zigzag_order(a, n, axis=2 if a.ndim == 3 else 1) for a in want))
         ids = jax.tree.map(lambda a: zigzag_order(a, n, axis=1), ids)
 
-    def ring(q, k, v, sinks, ids):
+    def ring(q, k, v, sinks, table, ids):
+        score_mod, mask_mod = _mods(table, doc_ids, 48) if table is not None else (None, None)
         return ring_attention(
             q, k, v, mesh=mesh, axis_name="sp", causal=causal, load_balance=load_balance,
             return_lse=True, backend=backend, batch_axis=batch_axis, segment_ids=ids, sinks=sinks, softcap=softcap,
+            score_mod=score_mod, mask_mod=mask_mod,
         )
 
-    (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v, sink_logits)
-    dq, dk, dv, dsinks = pullback((x.do, x.dlse))
+    (o, lse), pullback = jax.vjp(functools.partial(jax.jit(ring), ids=ids), x.q, x.k, x.v, sink_logits, table)
+    dq, dk, dv, dsinks, dtable = pullback((x.do, x.dlse))
     if sinks:
         check_close(dsinks, want_dsinks, dtype, "dsinks")
+    if mods:
+        check_close(dtable, want_dtable, dtype, "dtable")
     assert o.dtype == dtype and dq.dtype == dtype and dk.dtype == dtype
     check_close(o, want.o, dtype, "o")
     check_lse(lse, want.lse, dtype)
@@ -131,11 +156,17 @@ def check_ring(*, seed, causal, load_balance=True, batch=1, seq_q=128, seq_k=Non
         # A softcap (position-free, so exact per block): kernels, zig-zag; and xla, full.
         dict(causal=True, load_balance=True, heads=4, kv_heads=2, softcap=2.0, sinks=True),
         dict(causal=False, seq_q=64, seq_k=128, backend="xla", softcap=1.5),
+        # score_mod / mask_mod at global positions, the score_mod's closed-over table
+        # differentiated: zig-zag kernels (both branches' position maps), the contiguous
+        # causal layout, and cross-attention with a batch axis beside the ring.
+        dict(causal=True, load_balance=True, heads=4, kv_heads=2, mods=True),
+        dict(causal=True, load_balance=False, backend="xla", mods=True, sinks=True),
+        dict(causal=False, seq_q=64, seq_k=128, batch=2, mesh_shape=(2, 2), batch_axis="dp", backend="xla", mods=True),
     ],
     ids=["full-gqa", "causal-zigzag-gqa-bf16", "xla-causal-contiguous", "xla-cross-mqa", "xla-dp-sp",
          "xla-full-gqa-segments", "causal-zigzag-gqa-segments-empty-rows", "xla-dp-sp-contiguous-segments",
          "causal-zigzag-sinks-empty-rows", "xla-causal-contiguous-mqa-sinks", "causal-zigzag-softcap-sinks",
-         "xla-cross-softcap"],
+         "xla-cross-softcap", "causal-zigzag-mods", "xla-causal-contiguous-mods-sinks", "xla-dp-sp-cross-mods"],
 )
 def test_ring_matches_reference(case, request):
     seed = zlib.crc32(request.node.nodeid.encode())
@@ -182,6 +213,8 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(sinks=np.zeros(3, np.float32)), "sinks"),
         (dict(sinks=np.zeros(2, np.int32)), "sinks"),
         (dict(softcap=-1.0), "softcap must be a finite number > 0"),
+        (dict(score_mod=3), "score_mod must be a function"),
+        (dict(mask_mod=lambda b, h, q_idx, kv_idx: q_idx), "mask_mod must return a bool"),
     ],
 )
 def test_ring_errors(kwargs, message):
