@@ -361,7 +361,8 @@ def _trace_mods(score_mod, mask_mod, dtype) -> _Mods:
         wrapped = ((lambda s, *idx, fn=fn: fn(s, *globals_of(*idx))) if kind == flex.SCORE_MOD
                    else (lambda *idx, fn=fn: fn(*globals_of(*idx))))
         mod, consts = flex.trace(wrapped, kind)
-        slot = next(i for i, c in enumerate(consts) if c is placeholder)
+        slot = next((i for i, c in enumerate(consts) if c is placeholder), None)
+        assert slot is not None, "the position map must be among the traced mod's closed-over arrays"
         fields |= {name: mod, f"{name}_slot": slot, f"{name}_consts": consts[:slot] + consts[slot + 1:]}
     return _Mods(**fields)
 
