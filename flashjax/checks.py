@@ -348,6 +348,16 @@ def mesh_axis_names(axis) -> tuple[str, ...]:
     return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
 
 
+def mesh_axes_index(mesh, *axes):
+    """Inside shard_map: this device's linear index over the mesh axes named by `axes` (each
+    None, a name or a tuple of names), 0 without any."""
+    index = 0
+    for axis in axes:
+        for name in mesh_axis_names(axis):
+            index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return index
+
+
 def check_mesh_axes(mesh, **axes) -> dict[str, int]:
     """Checks keyword mesh-axis arguments (e.g. ``batch_axis="data"``): every name is an
     axis of the mesh and no name is used twice. Returns each argument's total size."""

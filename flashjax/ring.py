@@ -388,19 +388,11 @@ def _positions(ring: _Ring, step: int, shard: tuple[int, int], parts: tuple[str,
 
     q_map = side(r, shard[0], parts[0])
     k_map = side((r - step) % n, shard[1], parts[1])  # the block held at `step` is device r - step's
-    offsets = (_axes_index(ring, ring.batch_axis) * batch, _axes_index(ring, ring.head_axis) * heads)
+    offsets = (checks.mesh_axes_index(ring.mesh, ring.batch_axis) * batch,
+               checks.mesh_axes_index(ring.mesh, ring.head_axis) * heads)
     return jnp.stack([jnp.asarray(x, jnp.int32) for x in (*q_map, *k_map, *offsets)])
 
 
-def _axes_index(ring: _Ring, axes):
-    """This device's linear index over some mesh axes (0 without any)."""
-    index = jnp.int32(0)
-    for name in checks.mesh_axis_names(axes):
-        index = index * ring.mesh.shape[name] + jax.lax.axis_index(name)
-    return index
-
-
-# ---- one block ----------------------------------------------------------------------------
 def _extras(ring: _Ring, seg, mods, position) -> Extras:
     """The block's optional arrays: its segment ids (q_ids [B, Tq], kv_ids [B, Tk]) if any,
     and its mods' closed-over arrays with the block's position map in its slot."""

@@ -108,8 +108,8 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         block_mask = options.get("block_mask")
         if mods or block_mask is not None:
             # The mods index the whole batch and all heads: this shard's first ones.
-            batch_offset = _shard_index(mesh, batch_axis, None) * q.shape[0]
-            head_offset = _shard_index(mesh, None, head_axis) * q.shape[2]
+            batch_offset = checks.mesh_axes_index(mesh, batch_axis) * q.shape[0]
+            head_offset = checks.mesh_axes_index(mesh, head_axis) * q.shape[2]
             for name, mod in mods.items():
                 options[name] = _with_offsets(mod, name == "score_mod", batch_offset, head_offset)
             if block_mask is not None:  # its blocks arrive split; its mask_mod gets the offsets
@@ -118,7 +118,7 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         if fold_dropout:
             # The kernels' dropout hash sees local batch/head indices: without this
             # every shard would draw the same mask.
-            options["dropout_rng"] = jax.random.fold_in(options["dropout_rng"], _shard_index(mesh, batch_axis, head_axis))
+            options["dropout_rng"] = jax.random.fold_in(options["dropout_rng"], checks.mesh_axes_index(mesh, batch_axis, head_axis))
         return flash_attention(q, k, v, **options)
 
     out_specs = (spec, lse_spec) if return_lse else spec
@@ -136,14 +136,6 @@ def _with_offsets(mod, is_score_mod: bool, batch_offset, head_offset):
     if is_score_mod:
         return lambda score, b, h, q_idx, kv_idx: mod(score, b + batch_offset, h + head_offset, q_idx, kv_idx)
     return lambda b, h, q_idx, kv_idx: mod(b + batch_offset, h + head_offset, q_idx, kv_idx)
-
-
-def _shard_index(mesh: Mesh, batch_axis, head_axis):
-    """This device's linear index over the batch and head axes (0 without either)."""
-    index = 0
-    for name in checks.mesh_axis_names(batch_axis) + checks.mesh_axis_names(head_axis):
-        index = index * mesh.shape[name] + jax.lax.axis_index(name)
-    return index
 
 
 def _input_spec(x):
