@@ -218,7 +218,7 @@ def test_xla_backend_forced(spies):
     [
         pytest.param("9.0", jnp.bfloat16, 64, {}, "mosaic", "mosaic", id="hopper-bf16"),
         pytest.param("9.0", jnp.float16, 64, dict(causal=True), "mosaic", "mosaic", id="hopper-f16-causal"),
-        pytest.param("9.0", jnp.bfloat16, 256, {}, "mosaic", "triton", id="hopper-d256-triton-backward"),
+        pytest.param("9.0", jnp.bfloat16, 256, {}, "mosaic", "mosaic", id="hopper-d256"),
         pytest.param("9.0", jnp.float32, 64, {}, "triton", "triton", id="hopper-f32"),
         pytest.param("9.0", jnp.bfloat16, 64, dict(window=(8, 0)), "mosaic", "mosaic", id="hopper-window"),
         pytest.param("9.0", jnp.bfloat16, 64, dict(softcap=30.0), "mosaic", "mosaic", id="hopper-softcap"),
@@ -228,7 +228,7 @@ def test_xla_backend_forced(spies):
 )
 def test_auto_on_a_gpu(spies, monkeypatch, capability, dtype, head_dim, options, forward, backward):
     """On a GPU: the Hopper kernels on sm90 for what they support, Triton otherwise, the
-    reference for what no kernel takes; the backward moves when the forward's backend has none."""
+    reference for what no kernel takes."""
     on_device(monkeypatch, "gpu", capability)
     with jax.enable_x64(dtype == jnp.float64):
         q = jnp.zeros((1, 64, 2, head_dim), dtype)
@@ -239,6 +239,19 @@ def test_auto_on_a_gpu(spies, monkeypatch, capability, dtype, head_dim, options,
     params = spies[0][1]
     assert (params.backend, params.backward_backend) == (forward, backward)
     assert not params.interpret, "on a GPU the kernels are compiled"
+
+
+def test_backward_moves_when_the_forward_backend_has_none(monkeypatch):
+    """A backend that runs a call's forward but not its backward (`supports_backward` gives
+    reasons): the backward goes to the next backend that can, and the choice says why."""
+    on_device(monkeypatch, "gpu", "9.0")
+    registered = backends.get
+    forward_only = dataclasses.replace(registered("mosaic"), supports_backward=lambda call: ["no backward here"])
+    monkeypatch.setattr(backends, "get", lambda name: forward_only if name == "mosaic" else registered(name))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    choice = flashjax.explain(q, q, q)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "triton"), choice
+    assert ("mosaic", ("no backward here",)) in choice.backward_passed
 
 
 def test_explain_names_what_excluded_the_faster_backends(monkeypatch):

@@ -819,8 +819,7 @@ HOPPER_MODS = [
 ])
 def test_auto_takes_hopper_for_sinks_and_mla_dims(monkeypatch, dims, sinks):
     """On an H100 auto runs sinks and MLA head dims (v's narrower than q's and k's) on the Hopper
-    kernels, forward and backward; 192 / 192 has a Hopper forward and a Triton backward (the dK/dV
-    accumulators would spill)."""
+    kernels, forward and backward; 192 / 192 too (its dK/dV kernel split between the consumers)."""
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     qk_dim, v_dim = dims
     q = jax.ShapeDtypeStruct((1, 64, 2, qk_dim), jnp.bfloat16)
@@ -830,7 +829,7 @@ def test_auto_takes_hopper_for_sinks_and_mla_dims(monkeypatch, dims, sinks):
     assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
     wide = jax.ShapeDtypeStruct((1, 64, 2, 192), jnp.bfloat16)
     choice = flashjax.explain(wide, wide, wide, **options)
-    assert (choice.backend, choice.backward_backend) == ("mosaic", "triton"), choice
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
 
 
 @pytest.mark.parametrize("options", HOPPER_MODS)

@@ -162,6 +162,13 @@ MOSAIC_CASES = [
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-mask-overlap-mqa"),
     pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
                  id="d128-bias-mask-segments-softcap-accumulate"),
+    # Head dims whose dK and dV exceed the registers: the dK/dV kernel split between its
+    # consumers (one key tile, one accumulating dV and one dK), the dQ ring fitted to shared
+    # memory; with the optional inputs the Hopper kernels take at these head dims (a bias or a
+    # mask only up to 128).
+    pytest.param(4, 2, 256, True, {}, ("fwd", "dkv", "dq"), id="d256-causal-dropout-gqa2"),
+    pytest.param(4, 1, 256, False, {}, ("fwd", "dkv", "dq"), id="d256-window-softcap-alibi-lengths-segments-mqa"),
+    pytest.param(4, 4, 192, True, {}, ("fwd", "dkv", "dq"), id="d192-causal-lengths"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -174,6 +181,8 @@ MOSAIC_OPTIONS = {
     "d128-causal-dropout": dict(dropout_rate=0.1),
     "d128-dropout-broadcast-overlap-accumulate": dict(dropout_rate=0.25, broadcast_dropout=True),
     "d128-bias-mask-segments-softcap-accumulate": dict(softcap=30.0),
+    "d256-causal-dropout-gqa2": dict(dropout_rate=0.1),
+    "d256-window-softcap-alibi-lengths-segments-mqa": dict(window=(200, 37), softcap=30.0),
 }
 # Extras (optional arrays) of the cases above (by id).
 MOSAIC_EXTRAS = {
@@ -197,6 +206,12 @@ MOSAIC_EXTRAS = {
     "d128-bias-mask-segments-softcap-accumulate": Extras(
         bias=jnp.zeros((1, 4, SEQ_Q, SEQ_K), jnp.bfloat16), mask=jnp.ones((1, 4, SEQ_Q, SEQ_K), bool),
         q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32), kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
+    "d256-causal-dropout-gqa2": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
+    "d256-window-softcap-alibi-lengths-segments-mqa": Extras(
+        alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32), q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),
+        kv_lengths=jnp.array([300, SEQ_K], jnp.int32), q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
+        kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
+    "d192-causal-lengths": Extras(kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
 }
 
 
@@ -366,13 +381,15 @@ def _kernel_count_and_scores(text, config):
 
 @pytest.mark.parametrize("dims, backward", [
     pytest.param((192, 64), "mosaic", id="192-64"),
-    pytest.param((256, 64), "triton", id="256-64"),
+    pytest.param((256, 64), "mosaic", id="256-64"),
     pytest.param((128, 64), "mosaic", id="128-64"),
+    pytest.param((256, 256), "mosaic", id="256-256"),  # the dK/dV kernel split, the dQ ring at 64 keys x 1 stage
+    pytest.param((192, 192), "mosaic", id="192-192"),  # split
 ])
-def test_narrow_v_lowers_for_sm90(on_hopper, dims, backward):
-    """A v head dim narrower than q's on the Hopper kernels: the forward always, the backward where
-    its dQ tiles fit (q/k <= 192; 256 / 64 runs the Triton backward); lowered for sm_90 with the
-    default tiles (the shared-memory limit is checked by the lowering)."""
+def test_head_dims_lower_for_sm90(on_hopper, dims, backward):
+    """Head dims on the Hopper kernels, v's narrower than q's or not: forward and backward
+    lowered for sm_90 with the default tiles (the lowering checks the shared-memory limit),
+    the dK/dV kernel split where the two accumulators exceed the registers."""
     import flashjax
 
     qk_dim, v_dim = dims

@@ -45,7 +45,7 @@ SHAPES = [
     pytest.param((1, 2047, 2047, 4, 1, 128), id="T2047-d128-mqa"),
     pytest.param((1, 1000, 130, 8, 4, 64), id="q1000>k130-gqa2"),
     pytest.param((1, 1024, 1024, 2, 2, 256), id="T1024-d256"),
-    pytest.param((1, 512, 512, 4, 2, 192), id="T512-d192-gqa2"),  # Hopper forward, Triton backward
+    pytest.param((1, 512, 512, 4, 2, 192), id="T512-d192-gqa2"),  # the dK/dV kernel split, as at 256
 ]
 
 
@@ -407,6 +407,46 @@ def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rn
     got = mosaic_vjp(kernel_vjp, x, config=config, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
+
+
+WIDE_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), options, dtype. Head dims whose dK and dV
+    # exceed the registers: the dK/dV kernel split between its consumers (one key tile, one
+    # accumulating dV and the other dK), the dQ kernel's ring fitted to shared memory.
+    pytest.param((2, 1024, 1024, 4, 2, 256), dict(causal=True, window=(300, None), softcap=30.0), BF16,
+                 id="T1024-d256-causal-window-softcap-gqa2"),
+    pytest.param((2, 1000, 1000, 4, 1, 256), dict(alibi=True, kv_lengths=[1000, 333]), F16,
+                 id="T1000-d256-alibi-kv-lengths-mqa-f16"),
+    pytest.param((2, 1536, 1536, 4, 2, 256), dict(causal=True, segment_ids=3, dropout_rate=0.1), BF16,
+                 id="T1536-d256-causal-3docs-dropout"),
+    pytest.param((1, 700, 200, 4, 4, 256), dict(causal=True), BF16, id="q700>k200-d256-rows-without-keys"),
+    pytest.param((1, 300, 1000, 8, 2, 192), dict(causal=True, q_lengths=[250]), BF16, id="q300<k1000-d192-q-length"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("shape,options,dtype", WIDE_CASES)
+def test_wide_head_dims(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rng, shape, options, dtype):
+    """Head dims 192 and 256 forward and backward on the Hopper kernels, with the options."""
+    x = make_inputs(*shape, dtype=dtype)
+    options = dict(options)
+    arrays = {}
+    if options.pop("alibi", False):
+        arrays["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * np.arange(1, shape[3] + 1) / shape[3]), jnp.float32)
+    for name in ("q_lengths", "kv_lengths"):
+        if name in options:
+            arrays[name] = jnp.asarray(options.pop(name), jnp.int32)
+    if "segment_ids" in options:
+        arrays["segment_ids"] = _documents(rng, shape[0], shape[1], options.pop("segment_ids"))
+    if "dropout_rate" in options:
+        arrays["dropout_rng"] = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    choice = flashjax.explain(x.q, x.k, x.v, **options, **arrays)
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+    got = mosaic_vjp(kernel_vjp, x, arrays=arrays, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, arrays=arrays, **options)
+    assert_result_close(got, want, dtype)
+    if shape[1] > shape[2] and options.get("causal"):
+        np.testing.assert_array_equal(np.asarray(got.dq[:, :shape[1] - shape[2]], np.float32), 0.0)
 
 
 BIAS_MASK_CASES = [

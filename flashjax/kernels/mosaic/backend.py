@@ -40,10 +40,11 @@ OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segm
 # The dK/dV kernel keeps a key tile's dK and dV accumulators in registers: a 64-row tile
 # of each takes (Dqk + Dv) / 2 float32 registers per thread of a warpgroup. Beside the
 # S^T and dP^T tiles, Dqk + Dv = 320 (MLA's 192 + 128) spills a little (280 bytes; 0.90-0.97x
-# the plain call's TFLOP/s on an H100), wider pairs would spill more. The dQ kernel's
-# accumulator and its Q / dO / K / V tiles fit up to Dqk = 192.
-MAX_BACKWARD_HEAD_DIM_SUM = 320
-MAX_BACKWARD_QK_HEAD_DIM = 192
+# the plain call's TFLOP/s on an H100). Wider pairs run the kernel split (`mosaic_bwd.dkv`):
+# the two consumers share a key tile, one accumulating dV and the other dK.
+SPLIT_ABOVE_HEAD_DIM_SUM = 320
+# Shared memory a CTA may take on sm90 (227 KB), less a margin for the barriers.
+SMEM_BYTES = 227 * 1024 - 1024
 
 
 def supports(call: Call) -> list[str]:
@@ -118,18 +119,6 @@ def _pair_array_reasons(call: Call) -> list[str]:
         if combined not in (bias_shape, mask_shape):
             reasons.append(f"bias {bias_shape} and mask {mask_shape} broadcast to {combined}, larger than either "
                            "(the kernels take them as one array)")
-    return reasons
-
-
-def supports_backward(call: Call) -> list[str]:
-    qk_dim, v_dim = padded_head_dim(call.head_dim), padded_head_dim(call.v_head_dim or call.head_dim)
-    reasons = []
-    if qk_dim + v_dim > MAX_BACKWARD_HEAD_DIM_SUM:
-        reasons.append(f"head dims {qk_dim} (q, k) + {v_dim} (v) > {MAX_BACKWARD_HEAD_DIM_SUM} in the backward (the "
-                       "dK/dV accumulators of a key tile exceed the registers)")
-    if qk_dim > MAX_BACKWARD_QK_HEAD_DIM:
-        reasons.append(f"q/k head dim {qk_dim} > {MAX_BACKWARD_QK_HEAD_DIM} in the backward (the dQ kernel's tiles "
-                       "exceed shared memory)")
     return reasons
 
 
@@ -287,10 +276,10 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
             t, q_len, k_len = _forward_tiling(q, k, v, extras, params, params.config)
             tiles["fwd"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len)
         if params.backward_backend == BACKEND.name and isinstance(params.backward_config, MosaicConfig):
-            t, t_dq, q_len, k_len, accumulate = _backward_tilings(q, k, v, extras, params, params.backward_config)
-            if not accumulate:
-                tiles["dkv"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len, by_key_block=True)
-                tiles["dq"] = _tile_inputs(extras, t_dq, batch, seq_q, seq_k, q_len, k_len)
+            bt = _backward_tilings(q, k, v, extras, params, params.backward_config)
+            if not bt.accumulate:
+                tiles["dkv"] = _tile_inputs(extras, bt.dkv, batch, seq_q, seq_k, bt.q_len, bt.k_len, by_key_block=True)
+                tiles["dq"] = _tile_inputs(extras, bt.dq, batch, seq_q, seq_k, bt.q_len, bt.k_len)
     return extras._replace(tile_inputs=tiles)
 
 
@@ -327,9 +316,35 @@ def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: Mo
     return t, common.round_up(seq_q, COMPUTE_WGS * t.block_q), common.round_up(seq_k, t.block_kv)
 
 
-def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
-    """(the dK/dV kernel's tiling, the dQ kernel's, the padded query and key lengths, whether
-    the fused "accumulate" kernel runs instead of the two)."""
+class BackwardTilings(NamedTuple):
+    """How the backward runs a call: the dK/dV kernel's tiling (and whether its consumers
+    split a key tile's dK and dV, `mosaic_bwd.dkv`), the dQ kernel's, the padded query and
+    key lengths, and whether the fused "accumulate" kernel runs instead of the two."""
+
+    dkv: Tiling
+    dq: Tiling
+    q_len: int
+    k_len: int
+    accumulate: bool
+    split: bool
+
+
+def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: Tiling, itemsize: int) -> tuple[int, int]:
+    """(key tile, stages) of the dQ kernel's K/V ring that fit shared memory beside its
+    consumers' own Q, dO, lse and delta: the configured key tile, halved (down to 32 keys)
+    while not one stage of it fits, then as many of the configured stages as fit."""
+    own = COMPUTE_WGS * block_q * ((dim + v_dim) * itemsize + 2 * 4 + (4 if t.segments else 0))
+
+    def stage(keys):
+        bias = COMPUTE_WGS * block_q * keys * itemsize if t.bias else 0
+        return keys * (dim + v_dim) * itemsize + bias + (keys * 4 if t.segments else 0)
+
+    while block_kv > 32 and own + stage(block_kv) > SMEM_BYTES:
+        block_kv //= 2
+    return block_kv, max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
+
+
+def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> BackwardTilings:
     seq_q, seq_k = q.shape[1], k.shape[1]
     dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
     block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
@@ -338,18 +353,21 @@ def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: 
     # tile's query range to end at the last query tile (no window), and no optional inputs.
     accumulate = (config.bwd_dq == "accumulate" and dim == v_dim == 128 and params.window is None
                   and mosaic_bwd.fused_dq_takes(t))
-    pair = COMPUTE_WGS * block_kv  # the dK/dV kernels take key tiles in pairs
+    split = dim + v_dim > SPLIT_ABOVE_HEAD_DIM_SUM
+    cta_keys = block_kv if split else COMPUTE_WGS * block_kv  # the key tiles of one dK/dV CTA
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
     if t.bias:
         # The bias ring beside the K/V ring: 128-key tiles of both would exceed shared memory.
-        dq_block_kv = 64
+        dq_block_kv = min(dq_block_kv, 64)
+    dq_block_kv, dq_stages = _dq_tile(dim, v_dim, block_q, dq_block_kv, config.bwd_stages, t, q.dtype.itemsize)
     if accumulate:
-        q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, pair)
+        q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, cta_keys)
     else:
         # The dQ kernel takes query tiles in pairs.
         q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
-        k_len = common.round_up(seq_k, math.lcm(pair, dq_block_kv))
-    return t, dataclasses.replace(t, block_kv=dq_block_kv), q_len, k_len, accumulate
+        k_len = common.round_up(seq_k, math.lcm(cta_keys, dq_block_kv))
+    t_dq = dataclasses.replace(t, block_kv=dq_block_kv, stages=dq_stages)
+    return BackwardTilings(t, t_dq, q_len, k_len, accumulate, split)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
@@ -377,7 +395,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     extras = prepare(q, k, v, extras, params, config)
     seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     dim, v_dim = padded_head_dim(head_dim), padded_head_dim(v_head_dim)
-    t, t_dq, q_len, k_len, accumulate = _backward_tilings(q, k, v, extras, params, config)
+    t, t_dq, q_len, k_len, accumulate, split = _backward_tilings(q, k, v, extras, params, config)
     lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, v_dim)
@@ -394,7 +412,7 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     else:
         dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
                                 _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True,
-                                          kernel="dkv"))
+                                          kernel="dkv"), split=split)
         dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
                            _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="dq"))
         dq = dq[:, :seq_q, :, :head_dim]
@@ -414,7 +432,6 @@ BACKEND = backends.Backend(
     description="Pallas Mosaic GPU kernels for Hopper (wgmma, TMA, warp specialisation)",
     config_type=MosaicConfig,
     supports=supports,
-    supports_backward=supports_backward,
     default_config=default_config,
     forward=forward,
     backward=backward,

@@ -34,15 +34,14 @@ from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, 
 from flashjax.masks import BlockRange
 
 
-def _store_dk_dv(dk, dv, k_smem, v_smem, dk_dst, dv_dst, scale: float):
-    """Writes a key tile's dK and dV out through its K and V shared-memory tiles. The
-    softmax scale of S = scale * Q K^T enters dK once here; dV needs none."""
-    dtype = k_smem.dtype
-    k_smem[...] = (dk * scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+def _store_grads(grads, smems, dsts):
+    """Writes float32 gradient tiles out through shared-memory tiles of their inputs (one
+    TMA group, waited for)."""
+    for grad, smem in zip(grads, smems):
+        smem[...] = grad.astype(smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_dst, commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_dst, commit_group=False)
+    for smem, dst in zip(smems, dsts):
+        plgpu.copy_smem_to_gmem(smem, dst, commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -57,23 +56,19 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
-               kv_seg=None, stream=None, bias_t=None, mod=None):
-    """One query tile of a key tile's walk, up to dS: S^T = K Q^T (masked on the causal
-    diagonal), P^T from the lse, dV += P^T dO and dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
-    With dropout (`stream`, the query head's dropout stream) dV takes the dropped weights
-    and dP^T passes back through the same keep mask.
+def _probs_t(s_t, i, slot, lse_smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
+             kv_seg=None, stream=None, bias_t=None, mod=None):
+    """P^T from a score tile S^T = K Q^T (float32 [block_kv, block_q], keys [k_start, ...),
+    query tile i): the logits, the mask on boundary tiles, exp2 against the lse in ring
+    `slot`. Returns (P^T, d logits / d s for `_ds_t` (None without a softcap or
+    score_mod), dropout's keep bits (None without dropout)).
 
-    smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
-    query tile i; `slope` the query head's ALiBi slope, `kv_length` the batch row's kv length
-    (with ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
+    `slope` is the query head's ALiBi slope, `kv_length` the batch row's kv length (with
+    ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
     tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
-    `mod` the query head's `common.ModInputs` (with score_mod or mask_mod).
-    Returns dv and dS^T, float32 [block_kv, block_q]."""
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
-    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-    dtype = q_smem.dtype
-    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+    `mod` the query head's `common.ModInputs` (with score_mod or mask_mod), `stream` the
+    query head's dropout stream."""
+    block_kv, block_q = s_t.shape
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=i * block_q, k_start=k_start, transposed=True,
                                    bias=bias_t, mod=mod, grad=True)
     if masked:
@@ -84,31 +79,93 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=Non
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
     # Dropout's keep bits, for P^T and dP^T alike.
     keep_t = None if stream is None else common.keep_mask(t, stream, s_t.shape, i * block_q, k_start, transposed=True)
+    return p_t, dlogits_t, keep_t
+
+
+def _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t: Tiling):
+    """dS^T = P^T (dP^T - delta) (dP^T through dropout's keep mask), carried through the
+    softcap and score_mod: d loss / d (scale * q.k); the scale enters dK and dQ once, at the end."""
+    dp_t = common.drop(dp_t, t, keep_t)
+    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    return common.logit_grad(ds_t, dlogits_t, t)
+
+
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """One query tile of a key tile's walk, up to dS: S^T = K Q^T, P^T (`_probs_t`, which
+    takes `scoring`), dV += P^T dO and dP^T = V dO^T, then dS^T (`_ds_t`). With dropout dV
+    takes the dropped weights and dP^T passes back through the same keep mask.
+
+    smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
+    query tile i. Returns dv and dS^T, float32 [block_kv, block_q]."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
 
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
         dv_ref, dp_ref = refs
-        p_dropped = common.drop(p_t, t, keep_t)
-        plgpu.wgmma(dv_ref, p_dropped.astype(dtype), do_smem.at[slot])  # dV += P^T dO
+        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])  # dV += P^T dO
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
 
     dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
-    dp_t = common.drop(dp_t, t, keep_t)
-    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-    # Through the softcap and score_mod: d logits / d s (the scale enters dK and dQ once, at the end).
-    return dv, common.logit_grad(ds_t, dlogits_t, t)
+    return dv, _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
 
 
-def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs()):
+def _dv_only(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """The dV consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T, P^T, dV += P^T dO."""
+    k_smem, _, q_smem, do_smem, lse_smem, _ = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))
+    p_t, _, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+
+    def dv_(dv_ref):
+        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])
+
+    return pl.run_state(dv_)(plgpu.ACC.init(dv))
+
+
+def _dk_only(dk, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """The dK consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T and dP^T = V dO^T
+    (issued together, one wait), P^T, dS^T, dK += dS^T Q."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+
+    def s_dp(refs):
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))  # S^T = K Q^T
+        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+
+    zero = common.zeros((block_kv, block_q))
+    s_t, dp_t = pl.run_state(s_dp)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+    ds_t = _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
+
+    def dk_(dk_ref):
+        plgpu.wgmma(dk_ref, ds_t.astype(q_smem.dtype), q_smem.at[slot])  # dK += dS^T Q
+
+    return pl.run_state(dk_)(plgpu.ACC.init(dk))
+
+
+def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalInputs(), *, split: bool = False):
     """dK [B, Tkp, Hkv, D] and dV [B, Tkp, Hkv, Dv] in k's dtype. q [B, Tqp, H, D], do [B, Tqp, H, Dv]
     (Dv = v's head dim, MLA's differs); lse2, delta [B, H, Tqp] float32;
     `optional`: the ALiBi slopes, the ranges by key tile [B, Tkp // t.block_kv, ...], the
-    segment ids, the bias [Bb, Hb, Tqp, Tkp] and the arrays the user functions close over."""
+    segment ids, the bias [Bb, Hb, Tqp, Tkp] and the arrays the user functions close over.
+
+    Without `split` each consumer owns one key tile and accumulates its dK and dV, (D + Dv) / 2
+    float32 registers per thread. With `split` (wide head dims, whose two accumulators
+    exceed the registers) a CTA takes one key tile and its consumers share it: the first
+    accumulates dV (S^T, P^T, dV += P^T dO), the second dK (S^T and dP^T, dS^T, dK += dS^T
+    Q). Both recompute S^T: 5 products per tile pair instead of 4, without a barrier
+    between the consumers."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
-    assert q_len % block_q == 0 and k_len % (COMPUTE_WGS * block_kv) == 0, (q.shape, k.shape, t)
+    tiles_per_cta = 1 if split else COMPUTE_WGS
+    cta_keys = tiles_per_cta * block_kv
+    assert q_len % block_q == 0 and k_len % cta_keys == 0, (q.shape, k.shape, t)
     n_q = q_len // block_q
     stages = t.stages
 
@@ -119,60 +176,74 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         def q_tiles(k_block):
             return opt.tile_range(t.spec.q_range(k_block, block_q, block_kv, n_q), b, k_block)
 
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_ready, q_ready, do_ready, lse_ready, delta_ready), free = scoped[:3]
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), ready, free = scoped[:3]
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, kv_done = ready
         # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
         kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
-        # With a bias: the ring of its tiles (this query tile's rows, both consumers' key
+        # With a bias: the ring of its tiles (this query tile's rows, the CTA's key
         # columns) and their barriers.
         bias_smem, bias_ready = bias_scratch
         ring_ready = (q_ready, do_ready, lse_ready, delta_ready) + ((q_seg_ready,) if t.segments else ())
         pair = lax.axis_index("pair")
-        # The producer streams, for every query head of the group, the query tiles either
-        # consumer's key tile meets.
-        ring_lo, ring_hi = common.hull(q_tiles(pair * COMPUTE_WGS), q_tiles(pair * COMPUTE_WGS + 1))
+        # The producer streams, for every query head of the group, the query tiles the
+        # CTA's key tiles meet.
+        ring_lo, ring_hi = common.hull(q_tiles(pair * tiles_per_cta), q_tiles(pair * tiles_per_cta + tiles_per_cta - 1))
         per_head = ring_hi - ring_lo
         steps = group * per_head
 
         def _consumer(wg):
-            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            k_block = pair * COMPUTE_WGS + wg
+            tile = lax.rem(wg, tiles_per_cta)  # the CTA's key tile this consumer works on (traced: the lowering
+            # fails on a static index of shared memory read in the loop)
+            k_smem, v_smem = k_smem2.at[tile], v_smem2.at[tile]
+            k_block = pair * tiles_per_cta + tile
             k_start = k_block * block_kv
             tiles = q_tiles(k_block)
             at = (b, pl.ds(k_start, block_kv), hk)
-            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
-            plgpu.barrier_wait(kv_ready.at[wg])
-            plgpu.barrier_wait(kv_ready.at[COMPUTE_WGS + wg])
+
+            def load_kv():
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[tile])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[tiles_per_cta + tile])
+
+            if split:  # one copy of the shared tile
+                pl.when(wg == 0)(load_kv)
+            else:
+                load_kv()
+            plgpu.barrier_wait(kv_ready.at[tile])
+            plgpu.barrier_wait(kv_ready.at[tiles_per_cta + tile])
             kv_seg = None
             if t.segments:  # keys: dim 0 of S^T
                 kv_seg = common.own_segment_ids(opt.kv_segment_ids.at[b, pl.ds(k_start, block_kv)],
                                                 kv_seg_smem2.at[wg], kv_seg_ready.at[wg], 0)
 
             def wait_inputs(slot):
-                for ready in ring_ready:
-                    plgpu.barrier_wait(ready.at[slot])
+                for ready_ in ring_ready:
+                    plgpu.barrier_wait(ready_.at[slot])
 
             kv_length = opt.kv_length(b, k_block)
+            smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
 
-            def step(s, i, carry, masked: bool, slope, stream, mod):
-                dk, dv = carry
+            def step(s, i, carry, masked: bool, role: str, slope, stream, mod):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
-
-                smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
-                bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, wg,
+                bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, tile,
                                                                                      block_kv)
-                dv, ds_t = _dv_and_ds(dv, i, slot, smem, k_start=k_start, masked=masked, t=t, slope=slope,
-                                      kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t,
-                                      mod=mod)
+                scoring = dict(k_start=k_start, masked=masked, t=t, slope=slope, kv_length=kv_length, q_seg=q_seg,
+                               kv_seg=kv_seg, stream=stream, bias_t=bias_t, mod=mod)
+                if role == "dv":
+                    carry = _dv_only(carry, i, slot, smem, **scoring)
+                elif role == "dk":
+                    carry = _dk_only(carry, i, slot, smem, **scoring)
+                else:
+                    dk, dv = carry
+                    dv, ds_t = _dv_and_ds(dv, i, slot, smem, **scoring)
 
-                def dk_(acc_ref):
-                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
+                    def dk_(acc_ref):
+                        plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
 
-                dk = pl.run_state(dk_)(plgpu.ACC.init(dk))
+                    carry = pl.run_state(dk_)(plgpu.ACC.init(dk)), dv
                 plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
+                return carry
 
             def skip(s, _):
                 # A query tile the CTA streams but this key tile does not meet: keep the
@@ -183,19 +254,42 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                     plgpu.barrier_wait(bias_ready.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
 
-            def head(g, carry):
-                base = g * per_head - ring_lo  # ring step of query tile i is base + i
-                slope = None if opt.slopes is None else opt.slopes[hk * group + g]
-                stream = None if opt.dropout_seed is None else opt.dropout_stream(t, b, hk * group + g, heads)
-                mod = opt.mod_inputs(b, hk * group + g)
-                lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
-                carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, slope, stream, mod), carry,
-                                     t.q_boundaries(k_len))
-                lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
-                return carry
+            def walk(role: str):
+                """The consumer's accumulators (dK, dV; dV or dK alone for a split role) over
+                every query head of the group and the query tiles that see its key tile."""
 
-            dk, dv = loop(0, group, head, (common.zeros((block_kv, head_dim)), common.zeros((block_kv, v_head_dim))))
-            _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
+                def head(g, carry):
+                    base = g * per_head - ring_lo  # ring step of query tile i is base + i
+                    slope = None if opt.slopes is None else opt.slopes[hk * group + g]
+                    stream = None if opt.dropout_seed is None else opt.dropout_stream(t, b, hk * group + g, heads)
+                    mod = opt.mod_inputs(b, hk * group + g)
+                    lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
+                    carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, role, slope, stream,
+                                                                          mod),
+                                         carry, t.q_boundaries(k_len))
+                    lax.fori_loop(tiles.hi, ring_hi, lambda i, c: skip(base + i, c), None)
+                    return carry
+
+                dk0, dv0 = common.zeros((block_kv, head_dim)), common.zeros((block_kv, v_head_dim))
+                return loop(0, group, head, {"dk": dk0, "dv": dv0, "both": (dk0, dv0)}[role])
+
+            if not split:
+                dk, dv = walk("both")
+                _store_grads((dk * t.scale, dv), (k_smem, v_smem), (dk_ref.at[at], dv_ref.at[at]))
+                return
+            for role_wg, role in enumerate(("dv", "dk")):
+
+                @pl.when(wg == role_wg)
+                def _(role=role):
+                    grad = walk(role)
+                    # The dV consumer reads K and the dK consumer K and V until their last
+                    # step: each writes its gradient through its input's tile after both.
+                    plgpu.barrier_arrive(kv_done)
+                    plgpu.barrier_wait(kv_done)
+                    if role == "dv":
+                        _store_grads((grad,), (v_smem,), (dv_ref.at[at],))
+                    else:
+                        _store_grads((grad * t.scale,), (k_smem,), (dk_ref.at[at],))
 
         def _producer():
 
@@ -205,8 +299,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
                 if t.segments:
                     plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem.at[slot], q_seg_ready.at[slot])
-                if t.bias:  # this query tile's rows, the pair's key columns
-                    keys = pl.ds(pair * COMPUTE_WGS * block_kv, COMPUTE_WGS * block_kv)
+                if t.bias:  # this query tile's rows, the CTA's key columns
+                    keys = pl.ds(pair * cta_keys, cta_keys)
                     plgpu.copy_gmem_to_smem(opt.bias_plane(b, h).at[rows, keys], bias_smem.at[slot], bias_ready.at[slot])
                 _load_query_tile(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
@@ -227,23 +321,24 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         opt, (dk_ref, dv_ref) = OptionalInputs.split(t, refs)
         tiles = common.smem_tiles()
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
-            plgpu.SMEM((COMPUTE_WGS, block_kv, v_head_dim), dtype, transforms=tiles),  # V in, dV out
+            plgpu.SMEM((tiles_per_cta, block_kv, head_dim), dtype, transforms=tiles),  # K in, dK out
+            plgpu.SMEM((tiles_per_cta, block_kv, v_head_dim), dtype, transforms=tiles),  # V in, dV out
             plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_q, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_q), jnp.float32),
             plgpu.SMEM((stages, block_q), jnp.float32),
         )
-        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=stages),) * 4
+        ready = ((plgpu.Barrier(num_barriers=2 * tiles_per_cta),) + (plgpu.Barrier(num_barriers=stages),) * 4
+                 + (plgpu.Barrier(num_arrivals=COMPUTE_WGS),))  # kv_done: both consumers' last reads of K / V
         common.with_bias_scratch(
             lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, bias, scoped),
-            t, block_q, COMPUTE_WGS * block_kv, stages, dtype,
+            t, block_q, cta_keys, stages, dtype,
             smem, ready, plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             *common.segment_scratch(t, block_kv, block_q, stages), collective_axes="wg",
         )
 
     return common.launch(
-        entry, out_type=(k, v), pairs=k_len // (COMPUTE_WGS * block_kv), heads=kv_heads, batch=batch,
+        entry, out_type=(k, v), pairs=k_len // cta_keys, heads=kv_heads, batch=batch,
         kernel_name="flashjax_mosaic_dkv",
     )(q, k, v, do, lse2, delta, *optional.inputs(t))
 
@@ -508,7 +603,7 @@ def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
             dk, dv = loop(0, group, head, (zero, zero))
             # The K tiles are read by both consumers' dQ products until the last step.
             pl.when(steps > 0)(lambda: plgpu.barrier_wait(ds_done))
-            _store_dk_dv(dk, dv, k_smem, v_smem, dk_ref.at[at], dv_ref.at[at], t.scale)
+            _store_grads((dk * t.scale, dv), (k_smem, v_smem), (dk_ref.at[at], dv_ref.at[at]))
 
         def _producer():
             order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
