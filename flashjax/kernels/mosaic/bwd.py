@@ -113,12 +113,17 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring
     return dv, _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
 
 
-def _dv_only(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
-    """The dV consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T, P^T, dV += P^T dO."""
+def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t: Tiling, **scoring):
+    """The dV consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T, P^T; P^T times
+    d logits / d s into `pd_smem[slot]` (the inputs' dtype) for the dK consumer, arriving
+    on `pd_ready[slot]`; then dV += P^T dO (dropped weights with dropout)."""
     k_smem, _, q_smem, do_smem, lse_smem, _ = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))
-    p_t, _, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+    pd_smem[slot] = common.logit_grad(p_t, dlogits_t, t).astype(pd_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(pd_ready.at[slot])
 
     def dv_(dv_ref):
         plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])
@@ -126,21 +131,19 @@ def _dv_only(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
     return pl.run_state(dv_)(plgpu.ACC.init(dv))
 
 
-def _dk_only(dk, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
-    """The dK consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T and dP^T = V dO^T
-    (issued together, one wait), P^T, dS^T, dK += dS^T Q."""
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+def _dk_from_pd(dk, i, slot, smem, pd_smem, pd_ready, *, k_start, t: Tiling, stream=None):
+    """The dK consumer of a shared key tile (`dkv(split=True)`): dP^T = V dO^T (through
+    dropout's keep mask, drawn here too), then, once the dV consumer has written P^T times
+    d logits / d s, dS^T = that (dP^T - delta) and dK += dS^T Q."""
+    k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-
-    def s_dp(refs):
-        s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))  # S^T = K Q^T
-        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
-
-    zero = common.zeros((block_kv, block_q))
-    s_t, dp_t = pl.run_state(s_dp)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
-    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
-    ds_t = _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
+    dp_t = common.product(v_smem, do_smem.at[slot].transpose((1, 0)), (block_kv, block_q))
+    if stream is not None:
+        dp_t = common.drop(dp_t, t, common.keep_mask(t, stream, dp_t.shape, i * block_q, k_start, transposed=True))
+    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    plgpu.barrier_wait(pd_ready.at[slot])
+    pd_t = plgpu.load(pd_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    ds_t = pd_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
 
     def dk_(dk_ref):
         plgpu.wgmma(dk_ref, ds_t.astype(q_smem.dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -156,10 +159,11 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
     Without `split` each consumer owns one key tile and accumulates its dK and dV, (D + Dv) / 2
     float32 registers per thread. With `split` (wide head dims, whose two accumulators
-    exceed the registers) a CTA takes one key tile and its consumers share it: the first
-    accumulates dV (S^T, P^T, dV += P^T dO), the second dK (S^T and dP^T, dS^T, dK += dS^T
-    Q). Both recompute S^T: 5 products per tile pair instead of 4, without a barrier
-    between the consumers."""
+    exceed the registers) a CTA takes one key tile and its consumers share it, two of the
+    four products each: the first computes S^T and P^T and accumulates dV += P^T dO, the
+    second dP^T = V dO^T and dK += dS^T Q, with dS^T from the first's P^T (times the
+    softcap's or score_mod's derivative), handed over in shared memory each step (the
+    ring's free barrier, which both consumers arrive at, guards its reuse)."""
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
@@ -176,8 +180,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         def q_tiles(k_block):
             return opt.tile_range(t.spec.q_range(k_block, block_q, block_kv, n_q), b, k_block)
 
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), ready, free = scoped[:3]
-        kv_ready, q_ready, do_ready, lse_ready, delta_ready, kv_done = ready
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, pd_smem), ready, free = scoped[:3]
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, kv_done, pd_ready = ready
         # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
         kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
         # With a bias: the ring of its tiles (this query tile's rows, the CTA's key
@@ -225,15 +229,17 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             def step(s, i, carry, masked: bool, role: str, slope, stream, mod):
                 slot = lax.rem(s, stages)
                 wait_inputs(slot)
+                if role == "dk":  # no scores: dS^T comes from the dV consumer's P^T
+                    carry = _dk_from_pd(carry, i, slot, smem, pd_smem, pd_ready, k_start=k_start, t=t, stream=stream)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
                 bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, tile,
                                                                                      block_kv)
                 scoring = dict(k_start=k_start, masked=masked, t=t, slope=slope, kv_length=kv_length, q_seg=q_seg,
                                kv_seg=kv_seg, stream=stream, bias_t=bias_t, mod=mod)
                 if role == "dv":
-                    carry = _dv_only(carry, i, slot, smem, **scoring)
-                elif role == "dk":
-                    carry = _dk_only(carry, i, slot, smem, **scoring)
+                    carry = _dv_and_pd(carry, i, slot, smem, pd_smem, pd_ready, **scoring)
                 else:
                     dk, dv = carry
                     dv, ds_t = _dv_and_ds(dv, i, slot, smem, **scoring)
@@ -282,8 +288,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 @pl.when(wg == role_wg)
                 def _(role=role):
                     grad = walk(role)
-                    # The dV consumer reads K and the dK consumer K and V until their last
-                    # step: each writes its gradient through its input's tile after both.
+                    # The dV consumer reads K and the dK consumer V until their last step:
+                    # each writes its gradient through the other's input tile after both.
                     plgpu.barrier_arrive(kv_done)
                     plgpu.barrier_wait(kv_done)
                     if role == "dv":
@@ -327,9 +333,12 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             plgpu.SMEM((stages, block_q, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_q), jnp.float32),
             plgpu.SMEM((stages, block_q), jnp.float32),
+            # split: P^T times d logits / d s, from the dV consumer to the dK consumer
+            plgpu.SMEM((stages if split else 1, block_kv, block_q), dtype, transforms=tiles),
         )
         ready = ((plgpu.Barrier(num_barriers=2 * tiles_per_cta),) + (plgpu.Barrier(num_barriers=stages),) * 4
-                 + (plgpu.Barrier(num_arrivals=COMPUTE_WGS),))  # kv_done: both consumers' last reads of K / V
+                 + (plgpu.Barrier(num_arrivals=COMPUTE_WGS),)  # kv_done: both consumers' last reads of K / V
+                 + (plgpu.Barrier(num_barriers=stages),))  # pd_ready
         common.with_bias_scratch(
             lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, bias, scoped),
             t, block_q, cta_keys, stages, dtype,
