@@ -140,9 +140,8 @@ def flash_attention(
         mosaic, triton, xla (triton, xla without a GPU) that supports the call;
         `flashjax.explain` says which and why. A named backend that cannot run the
         call raises ``NotImplementedError`` with its reasons. When the forward's
-        backend has no backward for the call (the Hopper kernels when the padded
-        q/k and v head dims sum to more than 320, or q/k's is 256), the backward
-        runs on the next backend that has one.
+        backend has no backward for the call, the backward runs on the next
+        backend that has one.
       config: the config of one backend (`flashjax.TritonConfig` or
         `flashjax.MosaicConfig`); it selects that backend under ``auto``. ``None``
         picks the backend's tuned default.

@@ -409,6 +409,30 @@ def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rn
     assert_result_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dims, bias, want", [
+    pytest.param((128, 128), False, (128, 2, False), id="d128"),
+    pytest.param((128, 128), True, (64, 2, False), id="d128-bias"),
+    pytest.param((192, 128), False, (64, 2, False), id="mla"),
+    pytest.param((192, 192), False, (64, 2, True), id="d192"),
+    pytest.param((256, 256), False, (64, 1, True), id="d256"),
+])
+def test_backward_tilings_fit(dims, bias, want):
+    """The dQ kernel's K/V ring (key tile, stages) fits shared memory beside its query tiles,
+    and the dK/dV kernel splits key tiles where dK and dV exceed the registers."""
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.params import AttentionParams, Extras
+
+    qk_dim, v_dim = dims
+    q = jax.ShapeDtypeStruct((1, 1024, 4, qk_dim), BF16)
+    v = jax.ShapeDtypeStruct((1, 1024, 4, v_dim), BF16)
+    config = MosaicConfig.default(qk_dim, device_kind="nvidia-h100-80gb-hbm3", v_head_dim=v_dim)
+    params = AttentionParams(scale=qk_dim**-0.5, causal=True, backend="mosaic", config=config,
+                             backward_backend="mosaic", backward_config=config, interpret=False)
+    extras = Extras(bias=jnp.zeros((1, 4, 1024, 1024), BF16)) if bias else Extras()
+    tilings = mosaic_backend._backward_tilings(q, q, v, extras, params, config)
+    assert (tilings.dq.block_kv, tilings.dq.stages, tilings.split) == want
+
+
 WIDE_CASES = [
     # (batch, seq_q, seq_k, heads, kv_heads, head_dim), options, dtype. Head dims whose dK and dV
     # exceed the registers: the dK/dV kernel split between its consumers (one key tile, one

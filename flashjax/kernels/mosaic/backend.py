@@ -331,15 +331,16 @@ class BackwardTilings(NamedTuple):
 
 def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: Tiling, itemsize: int) -> tuple[int, int]:
     """(key tile, stages) of the dQ kernel's K/V ring that fit shared memory beside its
-    consumers' own Q, dO, lse and delta: the configured key tile, halved (down to 32 keys)
-    while not one stage of it fits, then as many of the configured stages as fit."""
+    consumers' own Q, dO, lse and delta: the configured key tile, halved (down to 64 keys,
+    wgmma's contraction over the 128-byte swizzle) while not one stage of it fits, then as
+    many of the configured stages as fit."""
     own = COMPUTE_WGS * block_q * ((dim + v_dim) * itemsize + 2 * 4 + (4 if t.segments else 0))
 
     def stage(keys):
         bias = COMPUTE_WGS * block_q * keys * itemsize if t.bias else 0
         return keys * (dim + v_dim) * itemsize + bias + (keys * 4 if t.segments else 0)
 
-    while block_kv > 32 and own + stage(block_kv) > SMEM_BYTES:
+    while block_kv > 64 and own + stage(block_kv) > SMEM_BYTES:
         block_kv //= 2
     return block_kv, max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
 

@@ -50,11 +50,12 @@ class MosaicConfig:
       block_kv: key rows per tile in the forward (a multiple of 64).
       stages: depth of the forward's K/V ring (>= 1).
       bwd_block_q: query rows per step of the dK/dV kernel and per tile of the dQ kernel.
-      bwd_block_kv: key rows per consumer warpgroup of the dK/dV kernel.
+      bwd_block_kv: key rows per tile of the dK/dV kernel (each consumer's own; where q/k and v head
+        dims sum to more than 320, one tile that the two consumers share, `bwd.dkv(split=True)`).
       bwd_stages: depth of the backward kernels' rings.
-      dq_block_kv: key rows per step of the dQ kernel (a multiple of 32; halved where one
-        stage of its K/V ring would not fit shared memory beside the query tiles, and the
-        ring takes as many of `bwd_stages` as fit: head dim 256 runs 64 keys in 1 stage).
+      dq_block_kv: key rows per step of the dQ kernel (halved, down to 64, where one stage of
+        its K/V ring would not fit shared memory beside the query tiles; the ring takes as
+        many of `bwd_stages` as fit: head dim 256 runs 64 keys in 1 stage).
       fwd_schedule: how the forward's two consumer warpgroups share the tensor cores:
         "pingpong" (a barrier alternates them, so that one's softmax runs under the
         other's products), "overlap" (each consumer software-pipelines its key loop:
@@ -81,12 +82,10 @@ class MosaicConfig:
     bwd_dq: str = "recompute"
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_kv"):
             value = getattr(self, name)
             if value < 64 or value % 64:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
-        if self.dq_block_kv < 32 or self.dq_block_kv % 32:
-            raise ValueError(f"MosaicConfig.dq_block_kv must be a positive multiple of 32, got {self.dq_block_kv}.")
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
         if self.bwd_dq not in BWD_DQ:
