@@ -7,7 +7,8 @@ dS = P * (dP - delta), dP = dO V^T.
 
 * dK/dV: one CTA per (kv head, pair of key tiles, batch row). Two consumer
   warpgroups each keep one `block_kv` key tile (K, V in shared memory; dK, dV
-  accumulating in registers) and walk the query tiles that see it; a producer
+  accumulating in registers; at wide head dims the two share one key tile, one
+  accumulating dV and the other dK) and walk the query tiles that see it; a producer
   warpgroup streams Q, dO, lse and delta tiles through a ring. GQA: the walk runs
   over every query head of the kv head's group, so dK/dV are written once per kv
   head (no per-query-head copies to sum). Works transposed (S^T = K Q^T) so that
@@ -180,8 +181,12 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         def q_tiles(k_block):
             return opt.tile_range(t.spec.q_range(k_block, block_q, block_kv, n_q), b, k_block)
 
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, pd_smem), ready, free = scoped[:3]
-        kv_ready, q_ready, do_ready, lse_ready, delta_ready, kv_done, pd_ready = ready
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *hand_over), ready, free = scoped[:3]
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready, *split_barriers = ready
+        # split: the ring of P^T tiles handed from the dV consumer to the dK consumer, their
+        # barriers, and the barrier both pass before writing their gradients.
+        pd_smem = hand_over[0] if split else None
+        pd_ready, kv_done = split_barriers if split else (None, None)
         # With segments: the key tiles' ids, the ring of the query tiles' ids, their barriers.
         kv_seg_smem2, q_seg_smem, kv_seg_ready, q_seg_ready = scoped[3] if t.segments else (None,) * 4
         # With a bias: the ring of its tiles (this query tile's rows, the CTA's key
@@ -333,12 +338,13 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             plgpu.SMEM((stages, block_q, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_q), jnp.float32),
             plgpu.SMEM((stages, block_q), jnp.float32),
-            # split: P^T times d logits / d s, from the dV consumer to the dK consumer
-            plgpu.SMEM((stages if split else 1, block_kv, block_q), dtype, transforms=tiles),
         )
-        ready = ((plgpu.Barrier(num_barriers=2 * tiles_per_cta),) + (plgpu.Barrier(num_barriers=stages),) * 4
-                 + (plgpu.Barrier(num_arrivals=COMPUTE_WGS),)  # kv_done: both consumers' last reads of K / V
-                 + (plgpu.Barrier(num_barriers=stages),))  # pd_ready
+        ready = (plgpu.Barrier(num_barriers=2 * tiles_per_cta),) + (plgpu.Barrier(num_barriers=stages),) * 4
+        if split:
+            # P^T times d logits / d s, from the dV consumer to the dK consumer; its ready
+            # barriers; kv_done: both consumers' last reads of K and V.
+            smem += (plgpu.SMEM((stages, block_kv, block_q), dtype, transforms=tiles),)
+            ready += (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
         common.with_bias_scratch(
             lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dk_ref, dv_ref, bias, scoped),
             t, block_q, cta_keys, stages, dtype,
