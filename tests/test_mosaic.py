@@ -410,15 +410,16 @@ def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rn
 
 
 @pytest.mark.parametrize("dims, bias, want", [
-    pytest.param((128, 128), False, (128, 2, False), id="d128"),
-    pytest.param((128, 128), True, (64, 2, False), id="d128-bias"),
-    pytest.param((192, 128), False, (64, 2, False), id="mla"),
-    pytest.param((192, 192), False, (64, 2, True), id="d192"),
-    pytest.param((256, 256), False, (64, 1, True), id="d256"),
+    pytest.param((128, 128), False, (128, 2, None, False), id="d128"),
+    pytest.param((128, 128), True, (64, 2, None, False), id="d128-bias"),
+    pytest.param((192, 128), False, (64, 2, None, False), id="mla"),
+    pytest.param((192, 192), False, (64, 2, None, True), id="d192"),
+    pytest.param((256, 256), False, (64, 2, 1, True), id="d256"),
 ])
 def test_backward_tilings_fit(dims, bias, want):
-    """The dQ kernel's K/V ring (key tile, stages) fits shared memory beside its query tiles,
-    and the dK/dV kernel splits key tiles where dK and dV exceed the registers."""
+    """The dQ kernel's K/V ring (key tile, K stages, V stages where fewer) fits shared memory
+    beside its query tiles, and the dK/dV kernel splits key tiles where dK and dV exceed the
+    registers."""
     from flashjax.kernels.mosaic import backend as mosaic_backend
     from flashjax.params import AttentionParams, Extras
 
@@ -430,7 +431,7 @@ def test_backward_tilings_fit(dims, bias, want):
                              backward_backend="mosaic", backward_config=config, interpret=False)
     extras = Extras(bias=jnp.zeros((1, 4, 1024, 1024), BF16)) if bias else Extras()
     tilings = mosaic_backend._backward_tilings(q, q, v, extras, params, config)
-    assert (tilings.dq.block_kv, tilings.dq.stages, tilings.split) == want
+    assert (tilings.dq.block_kv, tilings.dq.stages, tilings.dq.v_stages, tilings.split) == want
 
 
 WIDE_CASES = [

@@ -329,11 +329,14 @@ class BackwardTilings(NamedTuple):
     split: bool
 
 
-def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: Tiling, itemsize: int) -> tuple[int, int]:
-    """(key tile, stages) of the dQ kernel's K/V ring that fit shared memory beside its
-    consumers' own Q, dO, lse and delta: the configured key tile, halved (down to 64 keys,
-    wgmma's contraction over the 128-byte swizzle) while not one stage of it fits, then as
-    many of the configured stages as fit."""
+def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: Tiling,
+             itemsize: int) -> tuple[int, int, int | None]:
+    """(key tile, K stages, V stages or None for as many as K's) of the dQ kernel's ring, fitted
+    to shared memory beside its consumers' own Q, dO, lse and delta: the configured key
+    tile, halved (down to 64 keys, wgmma's contraction over the 128-byte swizzle) while not
+    one stage of it fits, then as many of the configured stages as fit; where only one of
+    K and V fits, a second K tile (S = Q K^T, the step's first product, then need not wait
+    for the tile's copy)."""
     own = COMPUTE_WGS * block_q * ((dim + v_dim) * itemsize + 2 * 4 + (4 if t.segments else 0))
 
     def stage(keys):
@@ -342,7 +345,12 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
 
     while block_kv > 64 and own + stage(block_kv) > SMEM_BYTES:
         block_kv //= 2
-    return block_kv, max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
+    fitting = max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
+    # Not with segment ids: their small arrays shift the swizzled tiles after them to the next
+    # 1 KB boundary, and at head dim 256 that padding no longer fits.
+    if fitting == 1 < stages and not t.segments and own + stage(block_kv) + block_kv * dim * itemsize <= SMEM_BYTES:
+        return block_kv, 2, 1
+    return block_kv, fitting, None
 
 
 def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> BackwardTilings:
@@ -360,14 +368,15 @@ def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: 
     if t.bias:
         # The bias ring beside the K/V ring: 128-key tiles of both would exceed shared memory.
         dq_block_kv = min(dq_block_kv, 64)
-    dq_block_kv, dq_stages = _dq_tile(dim, v_dim, block_q, dq_block_kv, config.bwd_stages, t, q.dtype.itemsize)
+    dq_block_kv, dq_stages, dq_v_stages = _dq_tile(dim, v_dim, block_q, dq_block_kv, config.bwd_stages, t,
+                                                    q.dtype.itemsize)
     if accumulate:
         q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, cta_keys)
     else:
         # The dQ kernel takes query tiles in pairs.
         q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
         k_len = common.round_up(seq_k, math.lcm(cta_keys, dq_block_kv))
-    t_dq = dataclasses.replace(t, block_kv=dq_block_kv, stages=dq_stages)
+    t_dq = dataclasses.replace(t, block_kv=dq_block_kv, stages=dq_stages, v_stages=dq_v_stages)
     return BackwardTilings(t, t_dq, q_len, k_len, accumulate, split)
 
 

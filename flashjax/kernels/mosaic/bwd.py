@@ -368,6 +368,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     n_kv = k_len // block_kv
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
+    v_stages = max(1, min(t.v_stages or stages, stages))  # V's ring may be shallower (Tiling.v_stages)
     scale_log2 = t.exp2_scale
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dq_ref, bias_scratch, scoped):
@@ -385,7 +386,10 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[3] if t.segments else (None,) * 4
         # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
         bias_smem, bias_ready = bias_scratch
-        ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
+        # The ring's ready barriers, slotted as K's ring (the segment ids come with K) and as V's
+        # (the bias comes with V).
+        k_side = (k_ready,) + ((kv_seg_ready,) if t.segments else ())
+        v_side = (v_ready,) + ((bias_ready,) if t.bias else ())
         pair = common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order)
         ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
 
@@ -411,12 +415,12 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg], 0)
 
             def step(j, acc, masked: bool):
-                slot = lax.rem(j - ring_lo, stages)
+                slot, v_slot = lax.rem(j - ring_lo, stages), lax.rem(j - ring_lo, v_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
                 s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
-                bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, slot, wg, block_q)
+                bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
                 s, dlogits = common.logits(s, t, slope=slope, q_start=q_start, k_start=j * block_kv, bias=bias, mod=mod,
                                            grad=True)
                 if masked:
@@ -424,10 +428,10 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                                          kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
                 # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
                 p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
-                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[v_slot])
 
-                dp = common.product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
-                plgpu.barrier_arrive(v_free.at[slot])
+                dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
+                plgpu.barrier_arrive(v_free.at[v_slot])
                 if stream is not None:
                     dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
                 ds = common.logit_grad(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])), dlogits, t)
@@ -440,10 +444,12 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 return acc
 
             free = (k_free, v_free)
-            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=ring_ready)
+            common.release_kv(free, lo=ring_lo, hi=tiles.lo, ring_lo=ring_lo, stages=stages, ready=k_side,
+                              v_stages=v_stages, v_ready=v_side)
             acc = common.visit(tiles, step, common.zeros((block_q, head_dim)), t.kv_boundaries(k_len))
+            wait = common.upper_skips_wait(t, lockstep=False)
             common.release_kv(free, lo=tiles.hi, hi=ring_hi, ring_lo=ring_lo, stages=stages,
-                              ready=ring_ready if common.upper_skips_wait(t, lockstep=False) else ())
+                              ready=k_side if wait else (), v_stages=v_stages, v_ready=v_side if wait else ())
             q_smem[...] = (acc * t.scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
@@ -456,7 +462,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
                 segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
-                bias=(bias_rows, bias_smem, bias_ready) if t.bias else None,
+                bias=(bias_rows, bias_smem, bias_ready) if t.bias else None, v_stages=v_stages,
             )
 
         def bias_rows(j):
@@ -474,17 +480,18 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
-            plgpu.SMEM((stages, block_kv, v_head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((v_stages, block_kv, v_head_dim), dtype, transforms=tiles),
         )
         ready = (
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=v_stages),
             plgpu.Barrier(num_barriers=4 * COMPUTE_WGS),
         )
-        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=v_stages))
         common.with_bias_scratch(
             lambda bias, scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt, dq_ref, bias, scoped),
-            t, COMPUTE_WGS * block_q, block_kv, stages, dtype,
+            t, COMPUTE_WGS * block_q, block_kv, v_stages, dtype,
             smem, ready, free, *common.segment_scratch(t, block_q, block_kv, stages), collective_axes="wg",
         )
 

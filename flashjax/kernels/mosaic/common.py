@@ -69,6 +69,8 @@ class Tiling:
         the slopes) that starts every row's running max and sum (attention sinks). The
         backward kernels take none: the forward's lse includes the sink, so their
         P = exp(S - lse) is already the sink-normalised weight.
+      v_stages: the depth of the V ring where it is shallower than K's (`stages`): the
+        dQ kernel at head dim 256, whose shared memory holds two K tiles and one V tile.
     """
 
     block_q: int
@@ -86,6 +88,7 @@ class Tiling:
     score_mod: flex.Mod | None = None
     mask_mod: flex.Mod | None = None
     sinks: bool = False
+    v_stages: int | None = None
 
     @property
     def scaled_logits(self) -> bool:
@@ -347,9 +350,9 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
-              segments=None, bias=None):
-    """The producer's loop: TMA copies of the K and V tiles [lo, hi) into a ring of
-    `stages` slots, tile j into slot (j - lo) % stages.
+              segments=None, bias=None, v_stages: int | None = None):
+    """The producer's loop: TMA copies of the K and V tiles [lo, hi) into rings of
+    `stages` slots (V: `v_stages`, default the same), tile j into slot (j - lo) % stages.
 
     ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
@@ -357,31 +360,35 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
     block_kv] int32, ready barriers): the key tile's segment ids (at at(j)'s batch row and
     keys), copied beside K (the consumers read them before they release K). bias:
     (tile(j): the gmem ref of key tile j's bias rows for both consumers' query tiles, ring
-    [stages, rows, block_kv], ready barriers): copied with V into the slot that V's free
+    [v_stages, rows, block_kv], ready barriers): copied with V into the slot that V's free
     barrier releases (the consumers read it before P V)."""
     k_ready, v_ready = ready
     k_free, v_free = free
+    v_stages = v_stages or stages
 
-    def load(j, slot, wait: bool):
-        if wait:
+    def load(j, wait_k, wait_v):
+        slot, v_slot = lax.rem(j - lo, stages), lax.rem(j - lo, v_stages)
+        if wait_k:
             plgpu.barrier_wait(k_free.at[slot])
         if segments is not None:
             ids, ids_smem, ids_ready = segments
             plgpu.copy_gmem_to_smem(ids.at[at(j)[:2]], ids_smem.at[slot], ids_ready.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[at(j)], k_smem.at[slot], k_ready.at[slot])
-        if wait:
-            plgpu.barrier_wait(v_free.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[at(j)], v_smem.at[slot], v_ready.at[slot])
+        if wait_v:
+            plgpu.barrier_wait(v_free.at[v_slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[at(j)], v_smem.at[v_slot], v_ready.at[v_slot])
         if bias is not None:
             tile, bias_smem, bias_ready = bias
-            plgpu.copy_gmem_to_smem(tile(j), bias_smem.at[slot], bias_ready.at[slot])
+            plgpu.copy_gmem_to_smem(tile(j), bias_smem.at[v_slot], bias_ready.at[v_slot])
 
-    for i in range(stages):
-        pl.when(lo + i < hi)(lambda i=i: load(lo + i, i, wait=False))
+    # The first tiles fill the empty slots; a shallower ring waits for its slots sooner.
+    first = max(stages, v_stages)
+    for i in range(first):
+        pl.when(lo + i < hi)(lambda i=i: load(lo + i, i >= stages, i >= v_stages))
 
-    @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
+    @pl.loop(lo + first, jnp.maximum(hi, lo + first))
     def _(j):
-        load(j, lax.rem(j - lo, stages), wait=True)
+        load(j, True, True)
 
 
 def upper_skips_wait(t: Tiling, *, lockstep: bool) -> bool:
@@ -397,25 +404,29 @@ def upper_skips_wait(t: Tiling, *, lockstep: bool) -> bool:
     return t.spec.right is not None and not lockstep
 
 
-def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None):
+def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None, v_stages: int | None = None, v_ready=()):
     """A consumer's arrivals on the free barriers of the ring tiles [lo, hi) it does not
     read, so that the producer's ring stays in step. `each()` runs once per tile
     (schedule turns).
 
-    ready: the (k_ready, v_ready) barriers to wait on first. A thread tracks each barrier's
+    ready: the barriers to wait on first, slotted as K's ring (`stages`); v_ready: those
+    slotted as V's (`v_stages`, default the same depth). A thread tracks each barrier's
     phase by counting its own waits, so a consumer that will wait on a slot again (the
     tiles *before* its own range) must first pass through the phases of the tiles it skips
     there. Waiting also keeps the arrivals from running a ring ahead of the other
     consumer's reads: without it, the other consumer must not lag (`upper_skips_wait`).
     """
     k_free, v_free = free
+    v_stages = v_stages or stages
 
     def body(j, _):
-        slot = lax.rem(j - ring_lo, stages)
+        slot, v_slot = lax.rem(j - ring_lo, stages), lax.rem(j - ring_lo, v_stages)
         for barrier in ready:
             plgpu.barrier_wait(barrier.at[slot])
+        for barrier in v_ready:
+            plgpu.barrier_wait(barrier.at[v_slot])
         plgpu.barrier_arrive(k_free.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[v_slot])
         if each is not None:
             each()
 
