@@ -55,7 +55,7 @@ class MosaicConfig:
       bwd_stages: depth of the backward kernels' rings.
       dq_block_kv: key rows per step of the dQ kernel (halved, down to 64, where one stage of
         its K/V ring would not fit shared memory beside the query tiles; the ring takes as
-        many of `bwd_stages` as fit: head dim 256 runs 64 keys in 1 stage).
+        many of `bwd_stages` as fit: head dim 256 runs 64 keys, two K tiles beside one V tile).
       fwd_schedule: how the forward's two consumer warpgroups share the tensor cores:
         "pingpong" (a barrier alternates them, so that one's softmax runs under the
         other's products), "overlap" (each consumer software-pipelines its key loop:
