@@ -338,6 +338,10 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
     K and V fits, a second K tile (S = Q K^T, the step's first product, then need not wait
     for the tile's copy)."""
     own = COMPUTE_WGS * block_q * ((dim + v_dim) * itemsize + 2 * 4 + (4 if t.segments else 0))
+    if t.segments:
+        # The segment ids' scratch (a second allocation group) costs up to 2 KB more than its
+        # bytes in alignment (the sm_90 lowering's count at 224 / 192).
+        own += 2048
 
     def stage(keys):
         bias = COMPUTE_WGS * block_q * keys * itemsize if t.bias else 0
@@ -346,8 +350,7 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
     while block_kv > 64 and own + stage(block_kv) > SMEM_BYTES:
         block_kv //= 2
     fitting = max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
-    # Not with segment ids: their small arrays shift the swizzled tiles after them to the next
-    # 1 KB boundary, and at head dim 256 that padding no longer fits.
+    # Not with segment ids (their ring follows K's): that pairing has not run on a GPU yet.
     if fitting == 1 < stages and not t.segments and own + stage(block_kv) + block_kv * dim * itemsize <= SMEM_BYTES:
         return block_kv, 2, 1
     return block_kv, fitting, None
