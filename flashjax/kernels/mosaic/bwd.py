@@ -57,19 +57,21 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _probs_t(s_t, i, slot, lse_smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
+def _probs_t(i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
              kv_seg=None, stream=None, bias_t=None, mod=None):
-    """P^T from a score tile S^T = K Q^T (float32 [block_kv, block_q], keys [k_start, ...),
-    query tile i): the logits, the mask on boundary tiles, exp2 against the lse in ring
-    `slot`. Returns (P^T, d logits / d s for `_ds_t` (None without a softcap or
-    score_mod), dropout's keep bits (None without dropout)).
+    """P^T of query tile i against the key tile (float32 [block_kv, block_q], keys [k_start, ...)):
+    S^T = K Q^T, the logits, the mask on boundary tiles, exp2 against the lse in ring `slot`
+    (smem as `_dv_and_ds` takes it). Returns (P^T, d logits / d s for `_ds_t` (None without
+    a softcap or score_mod), dropout's keep bits (None without dropout)).
 
     `slope` is the query head's ALiBi slope, `kv_length` the batch row's kv length (with
     ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
     tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
     `mod` the query head's `common.ModInputs` (with score_mod or mask_mod), `stream` the
     query head's dropout stream."""
-    block_kv, block_q = s_t.shape
+    k_smem, _, q_smem, _, lse_smem, _ = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=i * block_q, k_start=k_start, transposed=True,
                                    bias=bias_t, mod=mod, grad=True)
     if masked:
@@ -99,10 +101,9 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
     query tile i. Returns dv and dS^T, float32 [block_kv, block_q]."""
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = smem
+    k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
-    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+    p_t, dlogits_t, keep_t = _probs_t(i, slot, smem, k_start=k_start, masked=masked, t=t, **scoring)
 
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
@@ -118,10 +119,8 @@ def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t
     """The dV consumer of a shared key tile (`dkv(split=True)`): S^T = K Q^T, P^T; P^T times
     d logits / d s into `pd_smem[slot]` (the inputs' dtype) for the dK consumer, arriving
     on `pd_ready[slot]`; then dV += P^T dO (dropped weights with dropout)."""
-    k_smem, _, q_smem, do_smem, lse_smem, _ = smem
-    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))
-    p_t, dlogits_t, keep_t = _probs_t(s_t, i, slot, lse_smem, k_start=k_start, masked=masked, t=t, **scoring)
+    q_smem, do_smem = smem[2], smem[3]
+    p_t, dlogits_t, keep_t = _probs_t(i, slot, smem, k_start=k_start, masked=masked, t=t, **scoring)
     pd_smem[slot] = common.logit_grad(p_t, dlogits_t, t).astype(pd_smem.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(pd_ready.at[slot])
