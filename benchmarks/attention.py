@@ -3,8 +3,8 @@
     python benchmarks/attention.py                       # the standard sweep
     python benchmarks/attention.py --seqlens 1024,4096,16384 --configs d128,gqa \\
         --modes fwd,fwdbwd --causal both --impls flashjax,cudnn,pallas_mha
-    python benchmarks/attention.py --impls flashjax_mosaic --mosaic-config bwd_dq=accumulate \\
-        --out /tmp/accumulate.json                       # a non-default MosaicConfig, in its own file
+    python benchmarks/attention.py --impls flashjax_mosaic --mosaic-config bwd_stages=3 \\
+        --out /tmp/bwd_stages3.json                      # a non-default MosaicConfig, in its own file
     python benchmarks/attention.py --smoke --out /tmp/bench   # CPU: tiny, interpret mode
 
 The protocol is the one of `flashjax.benchmark` (its module docstring): bfloat16,
@@ -19,7 +19,7 @@ then timed as the median of >= 10 repetitions of a few back-to-back calls ended 
 `flashjax` is flash_attention(backend="triton") and `flashjax_mosaic` is
 backend="mosaic" (the Hopper kernels), each with its backend's tuned config;
 `--triton-config fwd.block_k=64,dq.num_warps=4` and `--mosaic-config
-bwd_dq=accumulate,stages=3` override fields of that config (for every head dim of
+bwd_stages=3,stages=3` override fields of that config (for every head dim of
 the sweep). Cells with overrides keep their usual keys, so such a run needs `--out`:
 compare two configs by running twice into two files.
 
@@ -95,7 +95,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--triton-config", default="", metavar="FIELD=VALUE,...",
                    help="TritonConfig overrides for the flashjax impl, e.g. fwd.block_k=64,dkv.num_warps=4")
     p.add_argument("--mosaic-config", default="", metavar="FIELD=VALUE,...",
-                   help="MosaicConfig overrides for the flashjax_mosaic impl, e.g. bwd_dq=accumulate,stages=3")
+                   help="MosaicConfig overrides for the flashjax_mosaic impl, e.g. bwd_stages=3,stages=3")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (>= 10 for the protocol)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
     p.add_argument("--out", default=None, help="results directory or .json file (default benchmarks/results/)")

@@ -35,8 +35,7 @@ HEADS, HEAD_DIM = 16, 128
 
 # Matrix products each kernel performs, in units of 2*B*H*Tq*Tk*D (one Tq x Tk x D product),
 # before halving for causal. Forward: S, PV. dK/dV: S^T, dP^T, dV, dK. dQ: S, dP, dQ.
-# dK/dV/dQ in one kernel (MosaicConfig.bwd_dq="accumulate"): S^T, dP^T, dV, dK, dQ.
-PRODUCTS = {"flashjax_mosaic_fwd": 2, "flashjax_mosaic_dkv_dq": 5, "flashjax_mosaic_dkv": 4, "flashjax_mosaic_dq": 3}
+PRODUCTS = {"flashjax_mosaic_fwd": 2, "flashjax_mosaic_dkv": 4, "flashjax_mosaic_dq": 3}
 
 
 def parse_cells(text):
@@ -48,7 +47,7 @@ def parse_cells(text):
 
 
 def parse_impls(text):
-    """'mosaic:bwd_dq=accumulate,stages=3,cudnn' -> ['mosaic:bwd_dq=accumulate,stages=3', 'cudnn']:
+    """'mosaic:bwd_stages=3,stages=3,cudnn' -> ['mosaic:bwd_stages=3,stages=3', 'cudnn']:
     a FIELD=VALUE item continues the implementation before it."""
     impls = []
     for item in text.split(","):
@@ -97,7 +96,7 @@ def run(args):
             if impl == "cudnn":
                 attend = lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
             else:
-                # "mosaic:bwd_dq=accumulate": config fields after the colon (flashjax.benchmark.config_overrides).
+                # "mosaic:bwd_stages=3": config fields after the colon (flashjax.benchmark.config_overrides).
                 backend, _, fields = impl.partition(":")
                 config = flashjax_config(backend, fields)
                 attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)

@@ -24,7 +24,7 @@ one protocol:
 
 The scripts' shared command-line pieces live here too: `parse_list`, `parse_seq`,
 `causal_values` for their flags, and `config_overrides`, which applies
-``"field=value,..."`` to a backend config (``--mosaic-config bwd_dq=accumulate``,
+``"field=value,..."`` to a backend config (``--mosaic-config bwd_stages=3``,
 ``--triton-config fwd.block_k=64``).
 """
 

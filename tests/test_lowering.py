@@ -135,33 +135,29 @@ MOSAIC_CASES = [
     pytest.param(4, 2, 128, False, {"fwd_schedule": "pingpong"}, ("fwd", "dkv", "dq"), id="d128-pingpong"),
     pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
-    pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
-    pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
-    # Windows and the softcap (`common.logits`); a window sends "accumulate" to the two-kernel dQ.
+    pytest.param(4, 4, 96, True, {}, ("fwd", "dkv", "dq"), id="d96-causal"),
+    # Windows and the softcap (`common.logits`).
     pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window"),
     pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-softcap"),
-    pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-window-softcap-accumulate"),
-    # ALiBi (slopes as a kernel input; "accumulate" goes to the two-kernel dQ).
-    pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-alibi-accumulate"),
+    pytest.param(4, 4, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window-softcap"),
+    # ALiBi (slopes as a kernel input).
+    pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-alibi"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-alibi-softcap-window"),
-    # q/kv lengths (per-tile ranges as an input; "accumulate" goes to the two-kernel dQ); with
-    # d64-kv-lengths-alibi-overlap and d128-causal-softcap, sinks (an input of the forward kernel
-    # only) on both forward schedules.
-    pytest.param(4, 2, 128, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"), id="d128-causal-lengths-accumulate"),
+    # q/kv lengths (per-tile ranges as an input); with d64-kv-lengths-alibi-overlap and
+    # d128-causal-softcap, sinks (an input of the forward kernel only) on both forward schedules.
+    pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-lengths"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-kv-lengths-alibi-overlap"),
     # Segment ids (the ids streamed beside K, or Q in the dK/dV kernel), with lengths.
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-segments-lengths"),
     pytest.param(4, 4, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-segments-window-overlap"),
-    # Dropout (the seed as an input; "accumulate" goes to the two-kernel dQ).
+    # Dropout (the seed as an input).
     pytest.param(4, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-dropout"),
-    pytest.param(4, 1, 128, False, {"fwd_schedule": "overlap", "bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
-                 id="d128-dropout-broadcast-overlap-accumulate"),
+    pytest.param(4, 1, 128, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d128-dropout-broadcast-overlap"),
     # A bias, a mask (folded into the bias), each tile-streamed beside K/V (Q in the dK/dV kernel).
     pytest.param(8, 2, 128, True, {}, ("fwd", "dkv", "dq"), id="d128-causal-bias-gqa4"),
     pytest.param(4, 1, 64, False, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-mask-overlap-mqa"),
-    pytest.param(4, 4, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv", "dq"),
-                 id="d128-bias-mask-segments-softcap-accumulate"),
+    pytest.param(4, 4, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-bias-mask-segments-softcap"),
     # Head dims whose dK and dV exceed the registers: the dK/dV kernel split between its
     # consumers (one key tile, one accumulating dV and one dK), the dQ ring fitted to shared
     # memory; with the optional inputs the Hopper kernels take at these head dims (a bias or a
@@ -175,23 +171,23 @@ MOSAIC_OPTIONS = {
     "d128-window": dict(window=(200, 37)),
     "d64-causal-window-overlap": dict(window=(129, None)),
     "d128-causal-softcap": dict(softcap=30.0),
-    "d128-window-softcap-accumulate": dict(window=(64, 64), softcap=20.0),
+    "d128-window-softcap": dict(window=(64, 64), softcap=20.0),
     "d64-alibi-softcap-window": dict(softcap=30.0, window=(100, 100)),
     "d64-segments-window-overlap": dict(window=(300, 20)),
     "d128-causal-dropout": dict(dropout_rate=0.1),
-    "d128-dropout-broadcast-overlap-accumulate": dict(dropout_rate=0.25, broadcast_dropout=True),
-    "d128-bias-mask-segments-softcap-accumulate": dict(softcap=30.0),
+    "d128-dropout-broadcast-overlap": dict(dropout_rate=0.25, broadcast_dropout=True),
+    "d128-bias-mask-segments-softcap": dict(softcap=30.0),
     "d256-causal-dropout-gqa2": dict(dropout_rate=0.1),
     "d256-window-softcap-alibi-lengths-segments-mqa": dict(window=(200, 37), softcap=30.0),
 }
 # Extras (optional arrays) of the cases above (by id).
 MOSAIC_EXTRAS = {
     "d128-causal-dropout": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
-    "d128-dropout-broadcast-overlap-accumulate": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
-    "d128-causal-alibi-accumulate": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
+    "d128-dropout-broadcast-overlap": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
+    "d128-causal-alibi": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
     "d64-alibi-softcap-window": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
-    "d128-causal-lengths-accumulate": Extras(q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),
-                                             kv_lengths=jnp.array([300, SEQ_K], jnp.int32)),
+    "d128-causal-lengths": Extras(q_lengths=jnp.array([SEQ_Q, 7], jnp.int32),
+                                  kv_lengths=jnp.array([300, SEQ_K], jnp.int32)),
     "d64-kv-lengths-alibi-overlap": Extras(kv_lengths=jnp.array([0, 901], jnp.int32),
                                            alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32),
                                            sinks=jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32)),
@@ -203,7 +199,7 @@ MOSAIC_EXTRAS = {
                                           kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
     "d128-causal-bias-gqa4": Extras(bias=jnp.zeros((1, 8, SEQ_Q, SEQ_K), jnp.bfloat16)),
     "d64-mask-overlap-mqa": Extras(mask=jnp.ones((2, 1, SEQ_Q, SEQ_K), bool)),
-    "d128-bias-mask-segments-softcap-accumulate": Extras(
+    "d128-bias-mask-segments-softcap": Extras(
         bias=jnp.zeros((1, 4, SEQ_Q, SEQ_K), jnp.bfloat16), mask=jnp.ones((1, 4, SEQ_Q, SEQ_K), bool),
         q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32), kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
     "d256-causal-dropout-gqa2": Extras(dropout_seed=jnp.array([7, 11], jnp.uint32)),
@@ -236,7 +232,7 @@ def test_mosaic_kernels_lower_for_sm90(request, fake_h100, heads, kv_heads, head
     extras = MOSAIC_EXTRAS.get(request.node.callspec.id, Extras())
     text = lower_attention_for_cuda(params, q, kv, extras)
     assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
-    names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
+    names = set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text))
     assert names == set(kernels), names
     # The glue pads both lengths to whole tiles (at most 256 rows); padded lengths count too.
     q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
@@ -405,7 +401,7 @@ def test_head_dims_lower_for_sm90(on_hopper, dims, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
 
     text = lower_for_cuda(loss, q, k, v)
-    kernels = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
+    kernels = set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text))
     assert kernels == ({"fwd", "dkv", "dq"} if backward == "mosaic" else {"fwd"}), kernels
 
 
@@ -430,7 +426,7 @@ def test_mla_head_dims_lower_for_sm90(on_hopper, backend):
     text = lower_for_cuda(loss, q, k, v)
     if backend == "mosaic":
         assert text.count(MOSAIC_CALL) == 3
-        assert set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+        assert set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
         q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
         k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
         scores = score_sized(tensor_shapes(text), q_lens, k_lens)
@@ -541,7 +537,7 @@ def test_flex_lowers_to_mosaic_for_sm90(on_hopper, case):
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     text = grad.trace(q, kv, kv, slopes).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(MOSAIC_CALL) == 3, text.count(MOSAIC_CALL)
-    assert set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+    assert set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
     q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}
     k_lens = {SEQ_K} | {-(-SEQ_K // m) * m for m in (64, 128, 256)}
     assert not score_sized(tensor_shapes(text), q_lens, k_lens)
@@ -612,4 +608,4 @@ def test_hopper_backward_fits_wide_head_dims(on_hopper, qk_dim, v_dim, kv_heads,
         return jnp.sum(o.astype(jnp.float32))
 
     text = lower_for_cuda(loss, q, k, v)
-    assert set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+    assert set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}

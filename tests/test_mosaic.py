@@ -113,45 +113,37 @@ def test_forward_schedules(make_inputs, reference_fwd, assert_close, assert_lse_
     assert_lse_close(lse, want_lse, BF16)
 
 
-def _with_bwd_dq(head_dim, bwd_dq):
-    return dataclasses.replace(MosaicConfig.default(head_dim), bwd_dq=bwd_dq)
-
-
-BWD_DQ_SHAPES = [
+BACKWARD_SHAPES = [
     pytest.param((2, 1024, 1024, 4, 2, 128), id="T1024-gqa2"),
     pytest.param((2, 2047, 2047, 8, 2, 128), id="T2047-gqa4"),
     pytest.param((1, 700, 200, 4, 4, 128), id="q700>k200"),  # causal: rows without keys
     pytest.param((1, 130, 1000, 8, 1, 128), id="q130<k1000-mqa"),
     pytest.param((2, 17, 1, 2, 2, 128), id="q17-k1"),
     pytest.param((1, 300, 257, 2, 2, 96), id="q300-k257-d96"),  # head dim padded to 128
-    pytest.param((1, 1000, 1000, 2, 2, 64), id="T1000-d64"),  # d64: falls back to recompute
+    pytest.param((1, 1000, 1000, 2, 2, 64), id="T1000-d64"),
 ]
 
 
 @requires_hopper
-@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", BWD_DQ_SHAPES)
-def test_backward_dq_modes(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, bwd_dq):
-    """Both MosaicConfig.bwd_dq ways, not only the default one."""
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES)
+def test_backward_shapes(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal):
+    """The default backward (the dK/dV kernel, then the dQ kernel) over shapes: odd
+    lengths, Tq != Tk, GQA and MQA, rows without keys, head dims 64 and 96."""
     x = make_inputs(*shape, dtype=BF16)
-    config = _with_bwd_dq(shape[-1], bwd_dq)
-    got = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
+    got = mosaic_vjp(kernel_vjp, x, causal=causal)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, causal=causal)
     assert_result_close(got, want, BF16)
 
 
 @requires_hopper
-@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic(make_inputs, kernel_vjp, causal, bwd_dq):
-    """Two runs are bitwise equal (output, lse and every gradient): dQ is summed in a
-    fixed order, by one warpgroup ("recompute") or in semaphore-enforced key-tile
-    order ("accumulate")."""
+def test_deterministic(make_inputs, kernel_vjp, causal):
+    """Two runs are bitwise equal (output, lse and every gradient): every dQ row is summed
+    in a fixed order, by one warpgroup."""
     x = make_inputs(2, 2047, 2047, 8, 2, 128, dtype=BF16)
-    config = _with_bwd_dq(128, bwd_dq)
-    first = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
-    second = mosaic_vjp(kernel_vjp, x, causal=causal, config=config)
+    first = mosaic_vjp(kernel_vjp, x, causal=causal)
+    second = mosaic_vjp(kernel_vjp, x, causal=causal)
     for name in first._fields:
         np.testing.assert_array_equal(
             np.asarray(getattr(first, name), np.float32), np.asarray(getattr(second, name), np.float32), err_msg=name
@@ -278,40 +270,25 @@ def test_window_and_softcap(make_inputs, kernel_vjp, reference_vjp, assert_resul
     assert_result_close(got, want, dtype)
 
 
-@requires_hopper
-@pytest.mark.parametrize("bwd_dq", ["recompute", "accumulate"])
-def test_window_with_either_dq_mode(make_inputs, kernel_vjp, reference_vjp, assert_result_close, bwd_dq):
-    """A window sends the "accumulate" dQ to the two-kernel path (its semaphore order needs
-    every key tile's range to end at the last query tile)."""
-    x = make_inputs(1, 1024, 1024, 4, 4, 128, dtype=BF16)
-    config = dataclasses.replace(MosaicConfig.default(128), bwd_dq=bwd_dq)
-    got = mosaic_vjp(kernel_vjp, x, window=(200, 200), config=config)
-    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, window=(200, 200))
-    assert_result_close(got, want, BF16)
-
-
 ALIBI_CASES = [
-    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, softcap, bwd_dq
-    pytest.param((2, 1024, 1024, 4, 2, 128), True, None, None, "recompute", id="T1024-causal-gqa2"),
-    pytest.param((1, 1000, 1000, 4, 1, 64), False, None, None, "recompute", id="T1000-mqa-d64"),
-    pytest.param((1, 300, 1000, 8, 2, 128), True, None, 30.0, "accumulate", id="q300<k1000-causal-softcap-accumulate"),
-    pytest.param((1, 1000, 130, 4, 4, 64), False, (64, 64), None, "recompute", id="q1000>k130-window-rows-without-keys"),
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, window, softcap
+    pytest.param((2, 1024, 1024, 4, 2, 128), True, None, None, id="T1024-causal-gqa2"),
+    pytest.param((1, 1000, 1000, 4, 1, 64), False, None, None, id="T1000-mqa-d64"),
+    pytest.param((1, 300, 1000, 8, 2, 128), True, None, 30.0, id="q300<k1000-causal-softcap"),
+    pytest.param((1, 1000, 130, 4, 4, 64), False, (64, 64), None, id="q1000>k130-window-rows-without-keys"),
 ]
 
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("shape,causal,window,softcap,bwd_dq", ALIBI_CASES)
-def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window, softcap,
-               bwd_dq, dtype):
-    """ALiBi in `common.logits` (every tile, not only the masked ones), with the other options;
-    "accumulate" runs it on the two-kernel dQ."""
+@pytest.mark.parametrize("shape,causal,window,softcap", ALIBI_CASES)
+def test_alibi(make_inputs, kernel_vjp, reference_vjp, assert_result_close, shape, causal, window, softcap, dtype):
+    """ALiBi in `common.logits` (every tile, not only the masked ones), with the other options."""
     x = make_inputs(*shape, dtype=dtype)
     heads = shape[3]
     slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), jnp.float32)  # the ALiBi paper's
     options = dict(causal=causal, window=window, softcap=softcap, arrays=dict(alibi_slopes=slopes))
-    config = dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq=bwd_dq)
-    got = mosaic_vjp(kernel_vjp, x, config=config, **options)
+    got = mosaic_vjp(kernel_vjp, x, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
 
@@ -336,8 +313,7 @@ def test_lengths(make_inputs, kernel_vjp, reference_vjp, assert_result_close, sh
     arrays = {name: jnp.asarray(value, jnp.int32) for name, value in
               (("q_lengths", q_lengths), ("kv_lengths", kv_lengths)) if value is not None}
     options = dict(causal=causal, window=window, arrays=arrays)
-    got = mosaic_vjp(kernel_vjp, x, config=dataclasses.replace(MosaicConfig.default(shape[5]), bwd_dq="accumulate"),
-                     **options)
+    got = mosaic_vjp(kernel_vjp, x, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, **options)
     assert_result_close(got, want, dtype)
 
@@ -378,8 +354,8 @@ DROPOUT_CASES = [
     # (batch, seq_q, seq_k, heads, kv_heads, head_dim), causal, rate, broadcast, other options
     pytest.param((2, 1024, 1024, 4, 2, 128), True, 0.1, False, {}, id="T1024-causal-gqa2"),
     pytest.param((1, 1000, 1000, 4, 1, 64), False, 0.5, False, dict(fwd_schedule="overlap"), id="T1000-mqa-overlap"),
-    pytest.param((2, 300, 1000, 4, 4, 128), True, 0.3, True, dict(window=(256, None), bwd_dq="accumulate"),
-                 id="q300<k1000-causal-window-broadcast-accumulate"),
+    pytest.param((2, 300, 1000, 4, 4, 128), True, 0.3, True, dict(window=(256, None)),
+                 id="q300<k1000-causal-window-broadcast"),
     pytest.param((2, 1000, 130, 2, 2, 64), False, 0.2, False, dict(softcap=30.0, kv_lengths=[130, 0]),
                  id="q1000>k130-softcap-rows-without-keys"),
     pytest.param((2, 1536, 1536, 4, 2, 128), True, 0.1, False, dict(segment_ids=3), id="T1536-causal-3docs"),
@@ -396,7 +372,7 @@ def test_dropout(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rn
     forward and backward, with the other options."""
     x = make_inputs(*shape, dtype=dtype)
     other = dict(other)
-    config_fields = {name: other.pop(name) for name in ("fwd_schedule", "bwd_dq") if name in other}
+    config_fields = {name: other.pop(name) for name in ("fwd_schedule",) if name in other}
     arrays = dict(dropout_rng=jax.random.PRNGKey(int(rng.integers(1 << 30))))
     if "kv_lengths" in other:
         arrays["kv_lengths"] = jnp.asarray(other.pop("kv_lengths"), jnp.int32)
@@ -480,7 +456,7 @@ BIAS_MASK_CASES = [
     pytest.param((2, 1000, 1000, 4, 1, 64), False, None, (2, 1, 1000, 1000), dict(fwd_schedule="overlap"),
                  id="T1000-mask-B1-mqa-overlap"),
     pytest.param((2, 300, 1000, 4, 4, 128), True, (2, 4, 300, 1000), (2, 4, 300, 1000),
-                 dict(softcap=30.0, bwd_dq="accumulate"), id="q300<k1000-causal-bias-mask-softcap-accumulate"),
+                 dict(softcap=30.0), id="q300<k1000-causal-bias-mask-softcap"),
     pytest.param((2, 1000, 130, 4, 2, 64), False, (1, 1, 1000, 130), (1, 1, 1000, 130), dict(window=(64, 64)),
                  id="q1000>k130-window-bias11-mask11"),
     pytest.param((2, 1536, 1536, 4, 2, 128), True, (2, 1, 1536, 1536), None, {}, id="T1536-causal-biasB1-gqa2"),
@@ -505,7 +481,7 @@ def test_bias_and_mask(make_inputs, key, rng, shape, causal, bias_shape, mask_sh
     x = make_inputs(*shape, dtype=dtype)
     other = dict(other)
     config = dataclasses.replace(MosaicConfig.default(shape[5]),
-                                 **{name: other.pop(name) for name in ("fwd_schedule", "bwd_dq") if name in other})
+                                 **{name: other.pop(name) for name in ("fwd_schedule",) if name in other})
     bias = None
     if bias_shape is not None:
         bias = (2.0 * jax.random.normal(key, bias_shape, jnp.float32)).astype(dtype)

@@ -16,7 +16,6 @@ DTYPES = ("bfloat16", "float16")
 # wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
 HEAD_DIMS = (64, 128, 192, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")
-BWD_DQ = ("recompute", "accumulate")
 
 
 def device_reasons(platform: str, compute_capability: str, dtype, what: str = "inputs") -> list[str]:
@@ -63,12 +62,6 @@ class MosaicConfig:
         "auto": overlap without a causal mask, pingpong with one (the faster of the two
         on an H100 in each case; benchmarks/results/mosaic-notes.md), and pingpong with a
         bias, a score_mod or a mask_mod (the backend's `_forward_schedule`).
-      bwd_dq: how the backward gets dQ (both deterministic). "recompute": a second
-        kernel walks the key tiles of each query tile and recomputes S and dP (7
-        matrix products per tile pair). "accumulate": the dK/dV kernel also forms
-        dQ = dS K and adds it into a float32 dQ in global memory, in an order that
-        semaphores fix (5 products; head dim 128 only, others use "recompute"). The
-        default is the faster on an H100, "recompute".
     """
 
     block_q: int = 64
@@ -79,7 +72,6 @@ class MosaicConfig:
     bwd_stages: int = 2
     dq_block_kv: int = 128
     fwd_schedule: str = "auto"
-    bwd_dq: str = "recompute"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv", "dq_block_kv"):
@@ -88,8 +80,6 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
-        if self.bwd_dq not in BWD_DQ:
-            raise ValueError(f"MosaicConfig.bwd_dq must be one of {BWD_DQ}, got {self.bwd_dq!r}.")
         for name in ("stages", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
