@@ -165,6 +165,11 @@ MOSAIC_CASES = [
     pytest.param(4, 2, 256, True, {}, ("fwd", "dkv", "dq"), id="d256-causal-dropout-gqa2"),
     pytest.param(4, 1, 256, False, {}, ("fwd", "dkv", "dq"), id="d256-window-softcap-alibi-lengths-segments-mqa"),
     pytest.param(4, 4, 192, True, {}, ("fwd", "dkv", "dq"), id="d192-causal-lengths"),
+    # 128-row backward tiles where every row sees every key (the H100's entry at head dim 64),
+    # alone and with the options that keep a call dense.
+    pytest.param(4, 1, 64, False, {"bwd_block_q_dense": 128}, ("fwd", "dkv", "dq"), id="d64-dense-mqa"),
+    pytest.param(4, 2, 64, False, {"bwd_block_q_dense": 128}, ("fwd", "dkv", "dq"),
+                 id="d64-dense-bias-dropout-softcap-alibi"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -175,6 +180,7 @@ MOSAIC_OPTIONS = {
     "d64-alibi-softcap-window": dict(softcap=30.0, window=(100, 100)),
     "d64-segments-window-overlap": dict(window=(300, 20)),
     "d128-causal-dropout": dict(dropout_rate=0.1),
+    "d64-dense-bias-dropout-softcap-alibi": dict(dropout_rate=0.1, softcap=30.0),
     "d128-dropout-broadcast-overlap": dict(dropout_rate=0.25, broadcast_dropout=True),
     "d128-bias-mask-segments-softcap": dict(softcap=30.0),
     "d256-causal-dropout-gqa2": dict(dropout_rate=0.1),
@@ -208,6 +214,9 @@ MOSAIC_EXTRAS = {
         kv_lengths=jnp.array([300, SEQ_K], jnp.int32), q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
         kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
     "d192-causal-lengths": Extras(kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
+    "d64-dense-bias-dropout-softcap-alibi": Extras(
+        bias=jnp.zeros((1, 4, SEQ_Q, SEQ_K), jnp.bfloat16), dropout_seed=jnp.array([7, 11], jnp.uint32),
+        alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
 }
 
 

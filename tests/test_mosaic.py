@@ -410,6 +410,66 @@ def test_backward_tilings_fit(dims, bias, want):
     assert (tilings.dq.block_kv, tilings.dq.stages, tilings.dq.v_stages, tilings.split) == want
 
 
+@pytest.mark.parametrize("options, want", [
+    pytest.param(dict(), 128, id="dense"),
+    pytest.param(dict(softcap=30.0, bias=True), 128, id="dense-bias-softcap"),
+    pytest.param(dict(causal=True), 64, id="causal"),
+    pytest.param(dict(window=(100, 100)), 64, id="window"),
+    pytest.param(dict(kv_lengths=True), 64, id="kv-lengths"),
+    pytest.param(dict(segment_ids=True), 64, id="segments"),
+])
+def test_backward_block_q_dense(options, want):
+    """At head dim 64 the H100 entry runs 128-row backward tiles only where every query row
+    sees every key (`MosaicConfig.bwd_block_q_dense`); masked calls keep `bwd_block_q`."""
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.params import AttentionParams, Extras
+
+    q = jax.ShapeDtypeStruct((2, 1024, 4, 64), BF16)
+    config = MosaicConfig.default(64, device_kind="nvidia-h100-80gb-hbm3")
+    assert (config.bwd_block_q, config.bwd_block_q_dense) == (64, 128)
+    options = dict(options)
+    arrays = dict(
+        bias=jnp.zeros((2, 4, 1024, 1024), BF16) if options.pop("bias", False) else None,
+        kv_lengths=jnp.array([1024, 500], jnp.int32) if options.pop("kv_lengths", False) else None,
+        q_segment_ids=jnp.zeros((2, 1024), jnp.int32) if options.pop("segment_ids", False) else None,
+    )
+    if arrays["q_segment_ids"] is not None:
+        arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    params = AttentionParams(scale=0.125, backend="mosaic", config=config, backward_backend="mosaic",
+                             backward_config=config, interpret=False, **options)
+    tilings = mosaic_backend._backward_tilings(q, q, q, Extras(**arrays), params, config)
+    assert tilings.dkv.block_q == tilings.dq.block_q == want
+
+
+DENSE_D64_CASES = [
+    # 128-row backward tiles (`bwd_block_q_dense`) with the options that keep a call dense.
+    pytest.param((2, 1000, 1000, 4, 1, 64), dict(softcap=30.0, alibi=True), id="T1000-d64-softcap-alibi-mqa"),
+    pytest.param((1, 300, 1000, 4, 2, 64), dict(bias=True, dropout_rate=0.1), id="q300<k1000-d64-bias-dropout"),
+    pytest.param((2, 1100, 257, 4, 4, 64), dict(), id="q1100>k257-d64"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("shape,options", DENSE_D64_CASES)
+def test_dense_head_dim_64(make_inputs, kernel_vjp, reference_vjp, assert_result_close, rng, shape, options):
+    """Head dim 64 without a mask runs 128-row backward tiles; odd lengths, Tq != Tk and
+    the dense options against the reference."""
+    x = make_inputs(*shape, dtype=BF16)
+    options = dict(options)
+    arrays = {}
+    if options.pop("alibi", False):
+        arrays["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * np.arange(1, shape[3] + 1) / shape[3]), jnp.float32)
+    if options.pop("bias", False):
+        arrays["bias"] = jnp.asarray(rng.normal(size=(shape[0], shape[3], shape[1], shape[2])), BF16)
+    if options.get("dropout_rate"):
+        arrays["dropout_rng"] = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    config = MosaicConfig.default(64)
+    assert config.backward_block_q(True) == 128, config  # the H100 entry
+    got = mosaic_vjp(kernel_vjp, x, config=config, arrays=arrays, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, arrays=arrays, **options)
+    assert_result_close(got, want, BF16)
+
+
 WIDE_CASES = [
     # (batch, seq_q, seq_k, heads, kv_heads, head_dim), options, dtype. Head dims whose dK and dV
     # exceed the registers: the dK/dV kernel split between its consumers (one key tile, one

@@ -133,6 +133,13 @@ def _has_ranges(extras: Extras) -> bool:
             or _mask_skips_tiles(extras))
 
 
+def _dense(params: AttentionParams, extras: Extras) -> bool:
+    """Whether every query row sees every key: no causal mask, window, mask_mod, lengths,
+    segment ids, block mask or mask (`MosaicConfig.bwd_block_q_dense`)."""
+    return (not params.causal and params.window is None and params.mask_mod is None and not _has_ranges(extras)
+            and extras.mask is None)
+
+
 def _mask_skips_tiles(extras: Extras) -> bool:
     """A boolean mask [B or 1, 1, Tq, Tk] narrows the tile ranges (the ranges are per batch
     row, not per head: a per-head mask is applied pair by pair on every tile)."""
@@ -357,7 +364,7 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
 def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> BackwardTilings:
     seq_q, seq_k = q.shape[1], k.shape[1]
     dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
-    block_q, block_kv = config.bwd_block_q, config.bwd_block_kv
+    block_q, block_kv = config.backward_block_q(_dense(params, extras)), config.bwd_block_kv
     t = dataclasses.replace(_tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages), sinks=False)
     split = dim + v_dim > SPLIT_ABOVE_HEAD_DIM_SUM
     cta_keys = block_kv if split else COMPUTE_WGS * block_kv  # the key tiles of one dK/dV CTA
