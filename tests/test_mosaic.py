@@ -419,7 +419,7 @@ def test_backward_tilings_fit(dims, bias, want):
     pytest.param(dict(segment_ids=True), 64, id="segments"),
 ])
 def test_backward_block_q_dense(options, want):
-    """At head dim 64 the H100 entry runs 128-row backward tiles only where every query row
+    """At head dim 64 the table runs 128-row backward tiles only where every query row
     sees every key (`MosaicConfig.bwd_block_q_dense`); masked calls keep `bwd_block_q`."""
     from flashjax.kernels.mosaic import backend as mosaic_backend
     from flashjax.params import AttentionParams, Extras
@@ -464,7 +464,7 @@ def test_dense_head_dim_64(make_inputs, kernel_vjp, reference_vjp, assert_result
     if options.get("dropout_rate"):
         arrays["dropout_rng"] = jax.random.PRNGKey(int(rng.integers(1 << 30)))
     config = MosaicConfig.default(64)
-    assert config.backward_block_q(True) == 128, config  # the H100 entry
+    assert config.backward_block_q(True) == 128, config  # the tuned table at head dim 64
     got = mosaic_vjp(kernel_vjp, x, config=config, arrays=arrays, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, arrays=arrays, **options)
     assert_result_close(got, want, BF16)

@@ -50,10 +50,10 @@ class MosaicConfig:
       stages: depth of the forward's K/V ring (>= 1).
       bwd_block_q: query rows per step of the dK/dV kernel and per tile of the dQ kernel.
       bwd_block_q_dense: `bwd_block_q` for calls in which every query row sees every key (no
-        causal mask, window, lengths, segment ids, mask or mask_mod), where no tile is cut by
-        a boundary; None: `bwd_block_q`. At head dim 64 on an H100, 128-row tiles are
-        8-10% faster there and 1-2% slower with a causal mask (ptxas spills in the masked
-        tiles), hence the two fields (`backward_block_q`).
+        causal mask, window, lengths, segment ids, mask or mask_mod); None: `bwd_block_q`.
+        At head dim 64 on an H100, 128-row tiles are 5-10% faster on such calls and 1-2%
+        slower with a causal mask (ptxas spills in the masked tiles), hence the two fields
+        (`backward_block_q`).
       bwd_block_kv: key rows per tile of the dK/dV kernel (each consumer's own; where q/k and v head
         dims sum to more than 320, one tile that the two consumers share, `bwd.dkv(split=True)`).
       bwd_stages: depth of the backward kernels' rings.
