@@ -352,7 +352,7 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
               segments=None, bias=None, v_stages: int | None = None):
     """The producer's loop: TMA copies of the K and V tiles [lo, hi) into rings of
-    `stages` slots (V: `v_stages`, default the same), tile j into slot (j - lo) % stages.
+    `stages` slots (V: `v_stages` <= stages, default the same), tile j into slot (j - lo) % stages.
 
     ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
@@ -365,6 +365,7 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
     k_ready, v_ready = ready
     k_free, v_free = free
     v_stages = v_stages or stages
+    assert v_stages <= stages, (v_stages, stages)
 
     def load(j, wait_k, wait_v):
         slot, v_slot = lax.rem(j - lo, stages), lax.rem(j - lo, v_stages)
@@ -381,12 +382,12 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
             tile, bias_smem, bias_ready = bias
             plgpu.copy_gmem_to_smem(tile(j), bias_smem.at[v_slot], bias_ready.at[v_slot])
 
-    # The first tiles fill the empty slots; a shallower ring waits for its slots sooner.
-    first = max(stages, v_stages)
-    for i in range(first):
-        pl.when(lo + i < hi)(lambda i=i: load(lo + i, i >= stages, i >= v_stages))
+    # The first `stages` tiles fill K's empty slots; V's ring, where shallower, waits for its
+    # slots sooner.
+    for i in range(stages):
+        pl.when(lo + i < hi)(lambda i=i: load(lo + i, False, i >= v_stages))
 
-    @pl.loop(lo + first, jnp.maximum(hi, lo + first))
+    @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
     def _(j):
         load(j, True, True)
 

@@ -82,7 +82,7 @@ class MosaicConfig:
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_q_dense", "bwd_block_kv", "dq_block_kv"):
             value = getattr(self, name)
-            if value is None and name == "bwd_block_q_dense":
+            if value is None:  # bwd_block_q_dense unset
                 continue
             if value < 64 or value % 64:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
