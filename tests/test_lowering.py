@@ -170,6 +170,16 @@ MOSAIC_CASES = [
     pytest.param(4, 1, 64, False, {"bwd_block_q_dense": 128}, ("fwd", "dkv", "dq"), id="d64-dense-mqa"),
     pytest.param(4, 2, 64, False, {"bwd_block_q_dense": 128}, ("fwd", "dkv", "dq"),
                  id="d64-dense-bias-dropout-softcap-alibi"),
+    # The persistent forward (each CTA walks its items, the ring running on across them), on
+    # both schedules and with the optional inputs that change what the ring carries.
+    pytest.param(4, 2, 128, False, {"fwd_persistent": True}, ("fwd", "dkv", "dq"), id="d128-persistent-gqa2"),
+    pytest.param(8, 2, 128, True, {"fwd_persistent": False}, ("fwd", "dkv", "dq"), id="d128-causal-grid"),
+    pytest.param(8, 2, 128, True, {"fwd_persistent": True}, ("fwd", "dkv", "dq"), id="d128-causal-persistent"),
+    pytest.param(4, 2, 128, True, {"fwd_persistent": True}, ("fwd", "dkv", "dq"), id="d128-causal-persistent-window-sinks"),
+    pytest.param(4, 1, 128, False, {"fwd_persistent": True, "fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"),
+                 id="d128-persistent-bias-dropout-window-mqa"),
+    pytest.param(4, 4, 64, True, {"fwd_persistent": True}, ("fwd", "dkv", "dq"),
+                 id="d64-causal-persistent-alibi-softcap"),
 ]
 # AttentionParams options of the cases above (by id).
 MOSAIC_OPTIONS = {
@@ -184,6 +194,9 @@ MOSAIC_OPTIONS = {
     "d128-dropout-broadcast-overlap": dict(dropout_rate=0.25, broadcast_dropout=True),
     "d128-bias-mask-segments-softcap": dict(softcap=30.0),
     "d256-causal-dropout-gqa2": dict(dropout_rate=0.1),
+    "d128-persistent-bias-dropout-window-mqa": dict(dropout_rate=0.1, window=(300, 20)),
+    "d64-causal-persistent-alibi-softcap": dict(softcap=30.0),
+    "d128-causal-persistent-window-sinks": dict(window=(200, None)),
     "d256-window-softcap-alibi-lengths-segments-mqa": dict(window=(200, 37), softcap=30.0),
 }
 # Extras (optional arrays) of the cases above (by id).
@@ -214,6 +227,10 @@ MOSAIC_EXTRAS = {
         kv_lengths=jnp.array([300, SEQ_K], jnp.int32), q_segment_ids=jnp.zeros((2, SEQ_Q), jnp.int32),
         kv_segment_ids=jnp.zeros((2, SEQ_K), jnp.int32)),
     "d192-causal-lengths": Extras(kv_lengths=jnp.array([SEQ_K, 500], jnp.int32)),
+    "d128-causal-persistent-window-sinks": Extras(sinks=jnp.zeros((4,), jnp.float32)),
+    "d128-persistent-bias-dropout-window-mqa": Extras(
+        bias=jnp.zeros((2, 1, SEQ_Q, SEQ_K), jnp.bfloat16), dropout_seed=jnp.array([7, 11], jnp.uint32)),
+    "d64-causal-persistent-alibi-softcap": Extras(alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),
     "d64-dense-bias-dropout-softcap-alibi": Extras(
         bias=jnp.zeros((1, 4, SEQ_Q, SEQ_K), jnp.bfloat16), dropout_seed=jnp.array([7, 11], jnp.uint32),
         alibi_slopes=jnp.linspace(0.1, 0.5, 4, dtype=jnp.float32)),

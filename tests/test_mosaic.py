@@ -15,6 +15,7 @@ import pytest
 
 import flashjax
 from flashjax import MosaicConfig, backends
+from flashjax.kernels.mosaic import config as mosaic_config
 
 HOPPER = backends.describe_device() == ("gpu", "9.0")
 SKIP_REASON = "Mosaic GPU kernels need an sm90 (Hopper) GPU; JAX cannot run them in CPU interpret mode"
@@ -468,6 +469,115 @@ def test_dense_head_dim_64(make_inputs, kernel_vjp, reference_vjp, assert_result
     got = mosaic_vjp(kernel_vjp, x, config=config, arrays=arrays, **options)
     want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, arrays=arrays, **options)
     assert_result_close(got, want, BF16)
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim,options,persistent", [
+    pytest.param(128, 128, {}, True, id="d128"),
+    pytest.param(128, 128, dict(bias=True), True, id="d128-bias"),
+    pytest.param(64, 64, dict(bias=True), False, id="d64-bias"),  # 3 stages of 128-key K, V and bias tiles
+    pytest.param(128, 128, dict(segment_ids=True), False, id="d128-segments"),  # ranges: work known on the device
+    pytest.param(256, 256, {}, False, id="d256"),
+    pytest.param(192, 192, {}, False, id="d192"),
+    pytest.param(192, 128, {}, False, id="mla"),
+])
+def test_forward_ctas(monkeypatch, head_dim, v_head_dim, options, persistent):
+    """The persistent forward runs where O's own tiles fit shared memory beside the rings and
+    the call has no ranges, on one CTA per SM and never more than one per item; elsewhere
+    one CTA per item."""
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.params import AttentionParams, Extras
+
+    config = dataclasses.replace(MosaicConfig.default(head_dim, device_kind="", v_head_dim=v_head_dim),
+                                 fwd_persistent=True)
+    arrays = dict(
+        bias=jnp.zeros((1, 4, 1024, 1024), BF16) if options.get("bias") else None,
+        q_segment_ids=jnp.zeros((2, 1024), jnp.int32) if options.get("segment_ids") else None,
+    )
+    arrays["kv_segment_ids"] = arrays["q_segment_ids"]
+    q = jax.ShapeDtypeStruct((2, 1024, 4, head_dim), BF16)
+    v = jax.ShapeDtypeStruct((2, 1024, 4, v_head_dim), BF16)
+    params = AttentionParams(scale=0.1, causal=True, backend="mosaic", config=config, interpret=False)
+    t, q_len, _ = mosaic_backend._forward_tiling(q, q, v, Extras(**arrays), params, config)
+    dims = (mosaic_config.padded_head_dim(head_dim), mosaic_config.padded_head_dim(v_head_dim))
+    ctas = lambda: mosaic_backend.forward_ctas(config, t, (2, q_len, 4), *dims, 2)
+    items = 2 * 4 * q_len // (2 * t.block_q)
+    monkeypatch.setattr(backends, "sm_count", lambda: 5)
+    assert ctas() == (5 if persistent else None)
+    monkeypatch.setattr(backends, "sm_count", lambda: 10_000)
+    assert ctas() == (items if persistent else None)
+    assert mosaic_backend.forward_ctas(dataclasses.replace(config, fwd_persistent=False), t, (2, q_len, 4), *dims,
+                                       2) is None
+    # What the sm_90 lowering's shared-memory check would refuse is not chosen.
+    fits = mosaic_backend.forward_smem_bytes(t, *dims, 2, persistent=True) <= mosaic_backend.SMEM_BYTES
+    assert fits == persistent or t.ranges
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("batch,pairs,heads,ctas", [(2, 64, 16, 132), (3, 5, 4, 7), (1, 1, 2, 2)])
+def test_persistent_schedule(batch, pairs, heads, ctas, causal):
+    """The persistent forward's table gives every item to exactly one CTA, each CTA's in index
+    order, and balances the key tiles where a round robin would not (causal)."""
+    from flashjax.kernels.mosaic.common import Items
+
+    items = Items(heads, pairs, batch, ctas)
+    tiles = np.arange(pairs, 0, -1) if causal else np.full(pairs, pairs)  # longest-first positions
+    table = items.table(tiles)
+    runs = [table[c, 1:1 + table[c, 0]] for c in range(ctas)]
+    assert sorted(np.concatenate(runs).tolist()) == list(range(items.total))
+    assert all(np.all(np.diff(run) > 0) for run in runs)
+    cost = lambda run: sum(tiles[(i // batch) % pairs] + 1 for i in run)
+    longest_item = tiles.max() + 1
+    ideal = sum(cost(run) for run in runs) / ctas
+    assert max(cost(run) for run in runs) <= ideal + longest_item
+
+
+PERSISTENT_CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, head_dim), options: the ring's length changes from
+    # item to item (causal, documents, lengths), and what it carries besides K/V.
+    pytest.param((3, 1000, 1000, 4, 2, 128), dict(causal=True), id="T1000-causal-gqa2"),
+    pytest.param((2, 1024, 1024, 4, 4, 64), dict(fwd_schedule="overlap"), id="T1024-d64-overlap"),
+    pytest.param((2, 1536, 1536, 4, 1, 128), dict(causal=True, window=(300, None), softcap=30.0, alibi=True),
+                 id="T1536-causal-window-softcap-alibi-mqa"),
+    pytest.param((1, 700, 200, 4, 4, 128), dict(causal=True, sinks=True), id="q700>k200-rows-without-keys-sinks"),
+    pytest.param((2, 1000, 1300, 4, 2, 128), dict(bias=True, dropout_rate=0.1, window=(300, 20)),
+                 id="q1000<k1300-bias-dropout-window"),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("sms", [5, None], ids=["5-ctas", "one-per-sm"])
+@pytest.mark.parametrize("shape,options", PERSISTENT_CASES)
+def test_persistent_forward(monkeypatch, make_inputs, kernel_vjp, reference_vjp, assert_result_close, rng, shape,
+                            options, sms):
+    """The persistent forward against the reference: with 5 CTAs each walks dozens of items of
+    different lengths through one ring, and with one per SM as it runs by default."""
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    jax.clear_caches()  # the SM count is no part of a compiled call's cache key
+    if sms is not None:
+        monkeypatch.setattr(backends, "sm_count", lambda: sms)
+    grids = []
+    run_forward = mosaic_fwd.forward
+    monkeypatch.setattr(mosaic_fwd, "forward", lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    x = make_inputs(*shape, dtype=BF16)
+    options = dict(options)
+    arrays = {}
+    if options.pop("bias", False):
+        arrays["bias"] = jnp.asarray(rng.normal(size=(shape[0], shape[3], shape[1], shape[2])), BF16)
+    if options.pop("sinks", False):
+        arrays["sinks"] = jnp.asarray(rng.normal(size=(shape[3],)), jnp.float32)
+    if options.pop("alibi", False):
+        arrays["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * np.arange(1, shape[3] + 1) / shape[3]), jnp.float32)
+    if options.get("dropout_rate"):
+        arrays["dropout_rng"] = jax.random.PRNGKey(int(rng.integers(1 << 30)))
+    config = dataclasses.replace(MosaicConfig.default(shape[5]), fwd_schedule=options.pop("fwd_schedule", "auto"),
+                                 fwd_persistent=True)
+    got = mosaic_vjp(kernel_vjp, x, config=config, arrays=arrays, **options)
+    want = reference_vjp(x.q, x.k, x.v, x.do, x.dlse, arrays=arrays, **options)
+    assert_result_close(got, want, BF16)
+    # One CTA per SM (or the 5), fewer only where the call has fewer items.
+    assert grids and all(ctas is not None and ctas <= (sms or backends.sm_count()) for ctas in grids), grids
+    assert sms is None or all(ctas == sms for ctas in grids), grids
 
 
 WIDE_CASES = [

@@ -45,6 +45,7 @@ OPTIONS = ("window", "softcap", "alibi_slopes", "q_lengths", "kv_lengths", "segm
 SPLIT_ABOVE_HEAD_DIM_SUM = 320
 # Shared memory a CTA may take on sm90 (227 KB), less a margin for the barriers.
 SMEM_BYTES = 227 * 1024 - 1024
+H100_SMS = 132
 
 
 def supports(call: Call) -> list[str]:
@@ -322,6 +323,40 @@ def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: Mo
     return t, common.round_up(seq_q, COMPUTE_WGS * t.block_q), common.round_up(seq_k, t.block_kv)
 
 
+def forward_smem_bytes(t: Tiling, dim: int, v_dim: int, itemsize: int, *, persistent: bool) -> int:
+    """Shared memory of the forward kernel at tiling `t` (padded head dims): the query tiles,
+    the K/V ring, the rows' lse, the bias ring, the segment ids' scratch and, persistent, the
+    output tiles, each rounded up to 1 KB, and 2 KB for the barriers and the alignment of
+    the scoped allocations (head dim 64 with a bias, persistent: 232,592 bytes in the sm_90
+    lowering against 229,888 in buffers)."""
+    rows = COMPUTE_WGS * t.block_q
+    buffers = [rows * dim * itemsize, t.stages * t.block_kv * dim * itemsize, t.stages * t.block_kv * v_dim * itemsize,
+               rows * 4]
+    if t.bias:
+        buffers.append(t.stages * rows * t.block_kv * itemsize)
+    if t.segments:
+        buffers += [rows * 4, t.stages * t.block_kv * 4]
+    if persistent:
+        buffers.append(rows * v_dim * itemsize)
+    return sum(common.round_up(size, 1024) for size in buffers) + 2048
+
+
+def forward_ctas(config: MosaicConfig, t: Tiling, shape: tuple[int, int, int], dim: int, v_dim: int,
+                 itemsize: int) -> int | None:
+    """The forward's persistent grid (`MosaicConfig.fwd_persistent`): one CTA per SM, at most
+    one per item of shape (batch, padded q_len, heads); None for one CTA per item: the config
+    asks for it, the output tiles do not fit shared memory beside the rings, or the call has
+    ranges (lengths, documents, a block mask: the items' work is known only on the device,
+    and the per-item grid's hardware scheduling balances it)."""
+    if (not config.fwd_persistent or t.ranges
+            or forward_smem_bytes(t, dim, v_dim, itemsize, persistent=True) > SMEM_BYTES):
+        return None
+    batch, q_len, heads = shape
+    items = batch * heads * (q_len // (COMPUTE_WGS * t.block_q))
+    # Without a GPU (the sm_90 lowering tests) an H100 SXM's count.
+    return min(items, backends.sm_count() or H100_SMS)
+
+
 class BackwardTilings(NamedTuple):
     """How the backward runs a call: the dK/dV kernel's tiling (and whether its consumers
     split a key tile's dK and dV, `mosaic_bwd.dkv`), the dQ kernel's, and the padded query
@@ -392,6 +427,7 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     o, lse2 = mosaic_fwd.forward(
         pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, v_dim), t, _forward_schedule(config, params, t),
         _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="fwd"),
+        ctas=forward_ctas(config, t, (q.shape[0], q_len, q.shape[2]), dim, v_dim, q.dtype.itemsize),
     )
     return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 

@@ -12,10 +12,12 @@ kernels.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -277,11 +279,13 @@ def pair_order(ranges, spec, block_q: int, block_kv: int, n_kv: int):
     return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
-def pair_index(num_pairs: int, longest_first: bool, order=None):
-    """This CTA's pair of tiles: at `order`'s entry for it (a ref of `pair_order`), or with a
-    causal mask the last (longest) query rows first, so that the short CTAs fill the tail
-    of the schedule instead of the long ones."""
-    index = lax.axis_index("pair")
+def pair_index(num_pairs: int, longest_first: bool, order=None, index=None):
+    """The pair of tiles at position `index` of the schedule (default: this CTA's "pair" grid
+    index): at `order`'s entry for it (a ref of `pair_order`), or with a causal mask the
+    last (longest) query rows first, so that the short CTAs fill the tail of the schedule
+    instead of the long ones."""
+    if index is None:
+        index = lax.axis_index("pair")
     if order is not None:
         return order[index]
     return num_pairs - 1 - index if longest_first else index
@@ -333,15 +337,19 @@ def warp_specialized(consumer, producer):
         producer()
 
 
-def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: str):
-    """Runs `entry` on a grid of (head, pair of tiles, batch row) CTAs of COMPUTE_WGS + 1 warpgroups.
+def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: str, ctas: int | None = None):
+    """Runs `entry` on CTAs of COMPUTE_WGS + 1 warpgroups: a grid of (head, pair of tiles,
+    batch row) CTAs, or with `ctas` a persistent grid of that many (axis "cta") that walk
+    the same items in the same order themselves (`Items`).
 
-    The head is the slowest grid axis so that the CTAs of one head run together."""
+    The head is the slowest grid axis so that the CTAs of one head run together (Pallas
+    launches the last grid axis fastest)."""
+    grid, names = ((heads, pairs, batch), ("heads", "pair", "batch")) if ctas is None else ((ctas,), ("cta",))
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(heads, pairs, batch),
-        grid_names=("heads", "pair", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=kernel_name,  # what profilers show
@@ -349,10 +357,62 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
     )
 
 
+class Items(NamedTuple):
+    """The (head, pair of query tiles, batch row) items of a persistent kernel (`launch`'s
+    `ctas`), indexed in the order of the per-item grid (the batch row fastest, then the
+    pair's position, then the head), and which CTA takes which (`table`)."""
+
+    heads: int
+    pairs: int
+    batch: int
+    ctas: int
+
+    @property
+    def total(self) -> int:
+        return self.heads * self.pairs * self.batch
+
+    def table(self, pair_tiles) -> np.ndarray:
+        """int32 [ctas, 1 + most]: each CTA's count of items, then their indices in the order it
+        runs them. pair_tiles: int [pairs], the key tiles of the pair at each position.
+
+        Each item goes to the CTA that is free first, in index order, as the hardware hands
+        out the CTAs of the per-item grid: the heads run one after another (their K/V tiles
+        shared in L2) and the longest pairs first, so the CTAs finish together. A fixed
+        round robin over the same order would give some CTAs only long pairs (the positions
+        repeat with the period of the batch and pair counts): 1.4-1.5x the balanced time
+        with a causal mask. An item costs its key tiles plus one for its Q load and output."""
+        cost = np.asarray(pair_tiles, np.int64) + 1
+        free = [(0, cta) for cta in range(self.ctas)]
+        assigned = [[] for _ in range(self.ctas)]
+        for index in range(self.total):
+            busy, cta = heapq.heappop(free)
+            assigned[cta].append(index)
+            heapq.heappush(free, (busy + int(cost[(index // self.batch) % self.pairs]), cta))
+        most = max(len(a) for a in assigned)
+        table = np.zeros((self.ctas, 1 + most), np.int32)
+        for cta, indices in enumerate(assigned):
+            table[cta, 0] = len(indices)
+            table[cta, 1:1 + len(indices)] = indices
+        return table
+
+    def count(self, table):
+        """How many items this CTA takes (`table`'s ref)."""
+        return table[lax.axis_index("cta"), 0]
+
+    def at(self, table, step):
+        """(head, pair position, batch row) of this CTA's item `step`; the position as
+        `pair_index` takes it."""
+        index = table[lax.axis_index("cta"), 1 + step]
+        return lax.div(index, self.pairs * self.batch), lax.rem(lax.div(index, self.batch), self.pairs), \
+            lax.rem(index, self.batch)
+
+
 def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
-              segments=None, bias=None, v_stages: int | None = None):
+              segments=None, bias=None, v_stages: int | None = None, origin=None):
     """The producer's loop: TMA copies of the K and V tiles [lo, hi) into rings of
-    `stages` slots (V: `v_stages` <= stages, default the same), tile j into slot (j - lo) % stages.
+    `stages` slots (V: `v_stages` <= stages, default the same), tile j into slot (j - origin) % stages.
+    `origin` (default lo) is where the ring starts: a persistent kernel's ring runs on
+    across its items, and the tiles before the ring's first `stages` wait for their slot.
 
     ready: (k_ready, v_ready) barriers, one per slot; free: (k_free, v_free) barriers,
     arrived at by both consumers once they have read a slot. `at(j)` indexes the
@@ -367,20 +427,33 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
     v_stages = v_stages or stages
     assert v_stages <= stages, (v_stages, stages)
 
+    start = lo if origin is None else origin
+
     def load(j, wait_k, wait_v):
-        slot, v_slot = lax.rem(j - lo, stages), lax.rem(j - lo, v_stages)
-        if wait_k:
+        slot, v_slot = lax.rem(j - start, stages), lax.rem(j - start, v_stages)
+        if wait_k is True:
             plgpu.barrier_wait(k_free.at[slot])
+        elif wait_k is not False:
+            pl.when(wait_k)(lambda: plgpu.barrier_wait(k_free.at[slot]))
         if segments is not None:
             ids, ids_smem, ids_ready = segments
             plgpu.copy_gmem_to_smem(ids.at[at(j)[:2]], ids_smem.at[slot], ids_ready.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[at(j)], k_smem.at[slot], k_ready.at[slot])
-        if wait_v:
+        if wait_v is True:
             plgpu.barrier_wait(v_free.at[v_slot])
+        elif wait_v is not False:
+            pl.when(wait_v)(lambda: plgpu.barrier_wait(v_free.at[v_slot]))
         plgpu.copy_gmem_to_smem(v_ref.at[at(j)], v_smem.at[v_slot], v_ready.at[v_slot])
         if bias is not None:
             tile, bias_smem, bias_ready = bias
             plgpu.copy_gmem_to_smem(tile(j), bias_smem.at[v_slot], bias_ready.at[v_slot])
+
+    if origin is not None:
+        @pl.loop(lo, hi)
+        def _(j):
+            load(j, j - origin >= stages, j - origin >= v_stages)
+
+        return
 
     # The first `stages` tiles fill K's empty slots; V's ring, where shallower, waits for its
     # slots sooner.

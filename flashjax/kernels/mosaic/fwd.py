@@ -1,6 +1,7 @@
 """The Hopper forward kernel (Pallas Mosaic GPU): wgmma, TMA and warp specialisation.
 
-One CTA per (head, pair of query tiles, batch row) runs three warpgroups, in the
+One CTA per (head, pair of query tiles, batch row), or a persistent grid of one CTA per
+SM that walks those items (`MosaicConfig.fwd_persistent`), runs three warpgroups, in the
 FlashAttention-3 arrangement:
 
 * two consumer warpgroups, each owning a `block_q`-row query tile in registers
@@ -32,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -55,7 +57,7 @@ class _Consumer(NamedTuple):
     v_ready: object
     k_free: object
     v_free: object
-    ring_lo: object  # first key tile the producer streams (slot of tile j: (j - ring_lo) % stages)
+    ring_lo: object  # the key tile the ring started at (slot of tile j: (j - ring_lo) % stages)
     stages: int
     turn: object  # one turn of the ping-pong schedule (a no-op without it)
     t: Tiling
@@ -258,7 +260,19 @@ def _at_least_one_tile(tiles: BlockRange, n_kv: int) -> BlockRange:
     return BlockRange(lo, tiles.full_lo, tiles.full_hi, jnp.maximum(tiles.hi, lo + 1))
 
 
-def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs()):
+def _pair_tiles(t: Tiling, n_pairs: int, n_kv: int, overlap: bool):
+    """int [n_pairs]: the key tiles the producer streams for the pair at each position of the
+    schedule (`common.pair_index`; static without ranges)."""
+    with jax.ensure_compile_time_eval():
+        pairs = common.pair_index(n_pairs, longest_first=t.spec.causal, index=jnp.arange(n_pairs, dtype=jnp.int32))
+        tiles = [t.spec.kv_range(COMPUTE_WGS * pairs + wg, t.block_q, t.block_kv, n_kv) for wg in range(COMPUTE_WGS)]
+        if overlap:
+            tiles = [_at_least_one_tile(r, n_kv) for r in tiles]
+        lo, hi = common.hull(*tiles)
+        return np.broadcast_to(np.asarray(hi - lo), (n_pairs,))  # a range that ignores the rows is a scalar
+
+
+def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs(), ctas: int | None = None):
     """Runs the forward kernel on padded inputs.
 
     Args:
@@ -272,6 +286,12 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         [B, Tqp // t.block_q, RANGE_FIELDS] (exactly when t.ranges), the segment ids, the
         bias [Bb, Hb, Tqp, Tkp] (exactly when t.bias), the dropout seed (exactly when
         t.dropout_rate > 0), the arrays score_mod and mask_mod close over (exactly with them).
+      ctas: None for one CTA per (head, pair of query tiles, batch row); else a persistent
+        grid of that many CTAs (at most the number of items; not with ranges), each walking
+        its items (`common.Items.table`) with the K/V ring running on across them, the next
+        item's Q loaded while this one's output is written, and O stored from its own
+        shared memory without waiting (so it must fit beside the rest:
+        `backend.forward_ctas`).
 
     Returns:
       o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys;
@@ -287,33 +307,47 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
     n_kv = k_len // block_kv
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
+    persistent = ctas is not None
+    if persistent:
+        # The items' key tiles are static: no ranges (lengths, documents, block masks).
+        assert not t.ranges, t
+        items = common.Items(heads, n_pairs, batch, ctas)
+        assert 0 < ctas <= items.total, (ctas, items)
+        table = items.table(_pair_tiles(t, n_pairs, n_kv, overlap))
 
-    def kernel(q_ref, k_ref, v_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
-        b = lax.axis_index("batch")
-        h = lax.axis_index("heads")
-
-        def kv_tiles(q_block):
-            tiles = opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
-            return _at_least_one_tile(tiles, n_kv) if overlap else tiles
-
+    def kernel(q_ref, k_ref, v_ref, table_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped[:4]
         # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
         q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[4] if t.segments else (None,) * 4
+        # Persistent: O's own shared memory, so that an item's output store runs under the next item.
+        o_smem2 = scoped[-1] if persistent else qo_smem2
         # With a bias: the ring of its tiles (both consumers' query rows) and their barriers.
         bias_smem, bias_ready = bias_scratch
         ring_ready = (k_ready, v_ready) + ((kv_seg_ready,) if t.segments else ()) + ((bias_ready,) if t.bias else ())
-        pair = common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order)
-        # The producer streams the key tiles either consumer needs.
-        ring_lo, ring_hi = common.hull(kv_tiles(pair * COMPUTE_WGS), kv_tiles(pair * COMPUTE_WGS + 1))
         take_turn = common.turn(schedule_barrier, not overlap)
 
-        def _consumer(wg):
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+        def kv_tiles(b, q_block):
+            tiles = opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
+            return _at_least_one_tile(tiles, n_kv) if overlap else tiles
+
+        def ring_range(b, pair):
+            """The key tiles the producer streams for a pair: those either consumer needs."""
+            return common.hull(kv_tiles(b, pair * COMPUTE_WGS), kv_tiles(b, pair * COMPUTE_WGS + 1))
+
+        def load_q(wg, b, h, pair):
+            q_start = (pair * COMPUTE_WGS + wg) * block_q
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem2.at[wg], q_ready.at[wg])
+
+        def consume(wg, b, h, pair, ring, origin, prefetch=None):
+            """Consumer `wg`'s query tile of item (b, h, pair), whose Q load has been issued.
+            ring: the item's (first, end) ring tiles (`ring_range`); origin: the tile the ring
+            started at (tile j is in slot (j - origin) % stages); prefetch: issues the next
+            item's Q load once this tile's products are done."""
+            qo_smem, lse_smem, o_smem = qo_smem2.at[wg], lse_smem2.at[wg], o_smem2.at[wg]
             q_block = pair * COMPUTE_WGS + wg
             q_start = q_block * block_q
-            tiles = kv_tiles(q_block)
-
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, block_q), h], qo_smem, q_ready.at[wg])
+            tiles = kv_tiles(b, q_block)
+            ring_lo, ring_hi = ring
             plgpu.barrier_wait(q_ready.at[wg])
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -331,7 +365,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, pl.ds(q_start, block_q)], q_seg_smem2.at[wg],
                                                q_seg_ready.at[wg], 0)
             consumer = _Consumer(
-                qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], ring_lo, stages, take_turn, t,
+                qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], origin, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
                 q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads), bias_smem, bias_ready, wg,
                 opt.mod_inputs(b, h),
@@ -340,7 +374,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             # The ring tiles this query tile does not read: release them in order, with
             # the two schedule turns a computed tile takes.
             def skip(lo, hi, ready=()):
-                common.release_kv(free, lo=lo, hi=hi, ring_lo=ring_lo, stages=stages, ready=ready,
+                common.release_kv(free, lo=lo, hi=hi, ring_lo=origin, stages=stages, ready=ready,
                                   each=lambda: (take_turn(), take_turn()))
 
             # Offset the two consumers by half a step: wg 1 starts one turn late.
@@ -350,45 +384,105 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 acc, m, l = overlapped_loop(consumer, tiles, (acc, m, l))
             else:
                 acc, m, l = synchronous_loop(consumer, tiles, (acc, m, l), schedule_barrier=schedule_barrier)
-            # Released without waiting only where the two ranges end in step (upper_skips_wait).
-            skip(tiles.hi, ring_hi, ready=ring_ready if common.upper_skips_wait(t, lockstep=not overlap) else ())
+            # Released without waiting only where the two ranges end in step (upper_skips_wait)
+            # and no later item waits on these slots again (a thread counts a barrier's phases
+            # by its own waits).
+            upper_waits = persistent or common.upper_skips_wait(t, lockstep=not overlap)
+            skip(tiles.hi, ring_hi, ready=ring_ready if upper_waits else ())
             pl.when(wg == 0)(take_turn)
+            if prefetch is not None:
+                prefetch()  # Q's shared memory is free: no product reads it any more
 
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf (with sinks
             # l = 1 and acc = 0: o = 0 and lse = the sink's logit).
             l_safe = jnp.where(l == 0.0, 1.0, l)
             acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-            # O through the query tile's shared memory, which no product reads any more (with
-            # a smaller v head dim, its first v_head_dim columns).
-            o_smem = qo_smem if v_head_dim == head_dim else qo_smem.at[:, pl.ds(0, v_head_dim)]
+            if persistent:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output is out of o_smem
+            else:
+                # O through the query tile's shared memory, which no product reads any more
+                # (with a smaller v head dim, its first v_head_dim columns).
+                o_smem = qo_smem if v_head_dim == head_dim else qo_smem.at[:, pl.ds(0, v_head_dim)]
             o_smem[...] = acc.astype(dtype)
             lse_smem[...] = m + jnp.log(l) * LOG2E
             plgpu.commit_smem()
-            common.copy_rows_to_gmem(qo_smem, o_ref.at[b, pl.ds(q_start, block_q), h])
+            common.copy_rows_to_gmem(o_smem2.at[wg], o_ref.at[b, pl.ds(q_start, block_q), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_start, block_q)])
-            plgpu.wait_smem_to_gmem(0)
+            if not persistent:
+                plgpu.wait_smem_to_gmem(0)
 
-        def _producer():
+        def produce(b, h, pair, ring, origin):
+            """The K/V tiles `ring` (first, end) of item (b, h, pair) into the ring, which
+            started at tile `origin`."""
             kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
+            ring_lo, ring_hi = ring
+
+            def bias_rows(j):
+                rows = pl.ds(pair * COMPUTE_WGS * block_q, COMPUTE_WGS * block_q)
+                return opt.bias_plane(b, h).at[rows, pl.ds(j * block_kv, block_kv)]
+
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
                 segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
                 bias=(bias_rows, bias_smem, bias_ready) if t.bias else None,
+                origin=origin if persistent else None,
             )
 
-        def bias_rows(j):
-            rows = pl.ds(pair * COMPUTE_WGS * block_q, COMPUTE_WGS * block_q)
-            return opt.bias_plane(b, h).at[rows, pl.ds(j * block_kv, block_kv)]
+        def item(position, b, h):
+            """(b, h, pair) of the item at a pair position of the schedule."""
+            return b, h, common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order, index=position)
 
-        common.warp_specialized(_consumer, _producer)
+        if not persistent:
+            b, h = lax.axis_index("batch"), lax.axis_index("heads")
+            this = item(lax.axis_index("pair"), b, h)
+            ring = ring_range(b, this[2])
+
+            def _consumer(wg):
+                load_q(wg, *this)
+                consume(wg, *this, ring, ring[0])
+
+            common.warp_specialized(_consumer, lambda: produce(*this, ring, ring[0]))
+            return
+
+        # Persistent: each CTA walks its items (`common.Items`), the ring running on across them.
+        def walk(body):
+            """Runs body(step, (b, h, pair), ring tiles, ring origin) over this CTA's items."""
+
+            def step(n, streamed):  # streamed: the ring tiles of the earlier items
+                h, position, b = items.at(table_ref, n)
+                this = item(position, b, h)
+                ring = ring_range(b, this[2])
+                body(n, this, ring, ring[0] - streamed)
+                return streamed + (ring[1] - ring[0])
+
+            lax.fori_loop(0, items.count(table_ref), step, jnp.int32(0))
+
+        def _consumer(wg):
+            h, position, b = items.at(table_ref, 0)
+            load_q(wg, *item(position, b, h))
+
+            def body(n, this, ring, origin):
+                def prefetch():
+                    @pl.when(n + 1 < items.count(table_ref))
+                    def _():
+                        h, position, b = items.at(table_ref, n + 1)
+                        load_q(wg, *item(position, b, h))
+
+                consume(wg, *this, ring, origin, prefetch)
+
+            walk(body)
+            plgpu.wait_smem_to_gmem(0)
+
+        common.warp_specialized(_consumer, lambda: walk(lambda n, this, ring, origin: produce(*this, ring, origin)))
 
     def entry(q_ref, k_ref, v_ref, *refs):
+        table_ref, refs = (refs[0], refs[1:]) if persistent else (None, refs)
         opt, (o_ref, lse_ref) = OptionalInputs.split(t, refs, pairs=True)
         tiles = common.smem_tiles()
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in, O out
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=tiles),  # Q in (and O out, not persistent)
             plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=tiles),
             plgpu.SMEM((stages, block_kv, v_head_dim), dtype, transforms=tiles),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
@@ -399,15 +493,16 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
         )
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        o_smem = (plgpu.SMEM((COMPUTE_WGS, block_q, v_head_dim), dtype, transforms=tiles),) if persistent else ()
         common.with_bias_scratch(
-            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, opt, o_ref, lse_ref, bias, scoped),
+            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, table_ref, opt, o_ref, lse_ref, bias, scoped),
             t, COMPUTE_WGS * block_q, block_kv, stages, dtype,
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *common.segment_scratch(t, block_q, block_kv, stages),
-            collective_axes="wg",
+            *o_smem, collective_axes="wg",
         )
 
     return common.launch(
         entry, out_type=(jax.ShapeDtypeStruct((batch, q_len, heads, v_head_dim), dtype),
                          jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
-        pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd",
-    )(q, k, v, *optional.inputs(t, pairs=True))
+        pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd", ctas=ctas,
+    )(q, k, v, *((jnp.asarray(table),) if persistent else ()), *optional.inputs(t, pairs=True))
