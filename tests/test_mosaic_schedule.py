@@ -12,7 +12,9 @@ random scheduler, with the ranges the kernel derives (`MaskSpec.kv_range`, the l
 segments' `masks.dynamic_ranges`, `_at_least_one_tile`, `common.hull`) and the kernel's choice
 of which releases wait (`common.upper_skips_wait`). It asserts that every run finishes (no
 deadlock) and that every tile a consumer reads is the one in its slot while it reads it.
-The same simulation without those waits finds the races: the test checks that too.
+The same simulation without those waits finds the races: the test checks that too. The
+persistent forward's CTAs walk several items through one ring (`common.Items.table`); the
+walks are replayed the same way.
 """
 
 from __future__ import annotations
@@ -46,11 +48,19 @@ class Race(AssertionError):
 
 
 def _simulate(ranges, ring, stages: int, pingpong: bool, skips_wait: bool, lower_waits: bool, seed: int,
-              kernel: str = "fwd"):
+              kernel: str = "fwd", walk=None):
     """Runs one CTA's protocol (`kernel` "fwd", or "dq": the dQ kernel's consumer steps);
-    raises Race or returns False on a deadlock, True when it finishes."""
+    raises Race or returns False on a deadlock, True when it finishes. walk: the persistent
+    forward's items, [(consumer ranges, ring)] in the order the CTA takes them, the ring
+    running on across them (instead of the one item `ranges`, `ring`)."""
     rng = np.random.default_rng(seed)
-    ring_lo, ring_hi = ring
+    items = [(ranges, ring)] if walk is None else walk
+    # The tile each ring position holds is (item, key tile); origin: where item n's tiles
+    # start in the ring (`fwd.forward`'s `ring[0] - streamed`).
+    origins, streamed = [], 0
+    for _, (ring_lo, ring_hi) in items:
+        origins.append(ring_lo - streamed)
+        streamed += ring_hi - ring_lo
     k_ready = [Barrier(1) for _ in range(stages)]
     v_ready = [Barrier(1) for _ in range(stages)]
     k_free = [Barrier(2) for _ in range(stages)]
@@ -58,7 +68,6 @@ def _simulate(ranges, ring, stages: int, pingpong: bool, skips_wait: bool, lower
     schedule = Barrier(2)
     k_slot = [None] * stages  # the tile each slot holds
     v_slot = [None] * stages
-    slot = lambda j: (j - ring_lo) % stages
 
     def wait(barrier, waits: dict):
         """A thread's wait: passes once the barrier's phase parity differs from the parity of
@@ -70,20 +79,26 @@ def _simulate(ranges, ring, stages: int, pingpong: bool, skips_wait: bool, lower
 
     def producer():
         waits = {}
-        for j in range(ring_lo, ring_hi):
-            s = slot(j)
-            if j >= ring_lo + stages:
-                yield from wait(k_free[s], waits)
-            k_slot[s] = j
-            k_ready[s].arrive()
-            if j >= ring_lo + stages:
-                yield from wait(v_free[s], waits)
-            v_slot[s] = j
-            v_ready[s].arrive()
+        for n, (_, (ring_lo, ring_hi)) in enumerate(items):
+            for j in range(ring_lo, ring_hi):
+                s = (j - origins[n]) % stages
+                if j - origins[n] >= stages:
+                    yield from wait(k_free[s], waits)
+                k_slot[s] = (n, j)
+                k_ready[s].arrive()
+                if j - origins[n] >= stages:
+                    yield from wait(v_free[s], waits)
+                v_slot[s] = (n, j)
+                v_ready[s].arrive()
 
     def consumer(wg: int):
         waits = {}
-        lo, hi = ranges[wg]
+        for n, (item_ranges, (ring_lo, ring_hi)) in enumerate(items):
+            yield from consume(wg, n, item_ranges[wg], ring_lo, ring_hi, waits)
+
+    def consume(wg: int, n: int, own, ring_lo: int, ring_hi: int, waits: dict):
+        lo, hi = own
+        slot = lambda j: (j - origins[n]) % stages
 
         def turn():
             if pingpong:
@@ -91,8 +106,8 @@ def _simulate(ranges, ring, stages: int, pingpong: bool, skips_wait: bool, lower
                 yield from wait(schedule, waits)
 
         def check(slots, j):
-            if slots[slot(j)] != j:
-                raise Race(f"consumer {wg} reads tile {j} from a slot holding {slots[slot(j)]}")
+            if slots[slot(j)] != (n, j):
+                raise Race(f"consumer {wg} reads tile {(n, j)} from a slot holding {slots[slot(j)]}")
 
         def release(j, waits_first: bool):
             if waits_first:
@@ -255,6 +270,53 @@ def test_protocol_finishes_without_races(seq_q, seq_k, causal, window, q_length,
         finished = _simulate(consumer_ranges, ring, t.stages, pingpong=kernel == "fwd-pingpong", skips_wait=upper_waits,
                              lower_waits=True, seed=seed, kernel="dq" if kernel == "dq" else "fwd")
         assert finished, f"deadlock: consumer ranges {consumer_ranges}, ring {ring}"
+
+
+def _walks(t: Tiling, q_len: int, k_len: int, overlap: bool, heads: int, ctas: int):
+    """The persistent forward's walks: each CTA's [(consumer ranges, ring)] in the order
+    `common.Items.table` gives it its items (one batch row; the ranges do not depend on the
+    head), the pairs at their positions (`common.pair_index`)."""
+    per_pair = _ctas(t, q_len, k_len, overlap)
+    pairs = len(per_pair)
+    pair_at = [int(common.pair_index(pairs, longest_first=t.spec.causal, index=p)) for p in range(pairs)]
+    items = common.Items(heads, pairs, 1, ctas)
+    table = items.table([per_pair[pair][1][1] - per_pair[pair][1][0] for pair in pair_at])
+    return [[per_pair[pair_at[(i // items.batch) % pairs]] for i in table[c, 1:1 + table[c, 0]]] for c in range(ctas)]
+
+
+@pytest.mark.parametrize("kernel", ["fwd-pingpong", "fwd-overlap"])
+@pytest.mark.parametrize("seq_q,seq_k,causal,window", [
+    pytest.param(1000, 1000, True, None, id="causal"),
+    pytest.param(1000, 1000, True, (129, None), id="causal-window"),
+    pytest.param(1536, 1536, False, (64, 300), id="window-both-sides"),
+    pytest.param(700, 200, True, None, id="rows-without-keys"),
+    pytest.param(300, 517, False, None, id="q<k"),
+])
+def test_persistent_walks_finish_without_races(seq_q, seq_k, causal, window, kernel):
+    """The persistent forward: each CTA walks several items through one ring (the tiles of
+    item n after those of the items before it), every release waiting on its tile."""
+    t, q_len, k_len, _ = _tiling_and_ranges(seq_q, seq_k, causal, window, None, None, None)
+    overlap = kernel == "fwd-overlap"
+    for walk, seed in itertools.product(_walks(t, q_len, k_len, overlap, heads=3, ctas=4), range(2)):
+        finished = _simulate(None, None, t.stages, pingpong=not overlap, skips_wait=True, lower_waits=True, seed=seed,
+                             walk=walk)
+        assert finished, f"deadlock: {walk}"
+
+
+def test_persistent_walks_need_the_upper_waits():
+    """Across items a consumer must wait on the ring tiles after its range before releasing
+    them (a thread counts a barrier's phases by its own waits): the per-item grid's causal
+    ping-pong skips those waits, and in a walk that races or deadlocks."""
+    t, q_len, k_len, _ = _tiling_and_ranges(1000, 1000, True, None, None, None, None)
+    assert not common.upper_skips_wait(t, lockstep=True)
+    found = 0
+    for walk, seed in itertools.product(_walks(t, q_len, k_len, False, heads=3, ctas=4), range(5)):
+        try:
+            found += not _simulate(None, None, t.stages, pingpong=True, skips_wait=False, lower_waits=True, seed=seed,
+                                   walk=walk)
+        except Race:
+            found += 1
+    assert found > 0
 
 
 def test_the_simulation_finds_releases_that_do_not_wait():

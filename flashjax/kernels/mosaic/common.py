@@ -379,7 +379,7 @@ class Items(NamedTuple):
         out the CTAs of the per-item grid: the heads run one after another (their K/V tiles
         shared in L2) and the longest pairs first, so the CTAs finish together. A fixed
         round robin over the same order would give some CTAs only long pairs (the positions
-        repeat with the period of the batch and pair counts): 1.4-1.5x the balanced time
+        repeat with the period of the batch and pair counts): 1.4-1.6x the balanced time
         with a causal mask. An item costs its key tiles plus one for its Q load and output."""
         cost = np.asarray(pair_tiles, np.int64) + 1
         free = [(0, cta) for cta in range(self.ctas)]
