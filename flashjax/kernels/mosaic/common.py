@@ -12,6 +12,7 @@ kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import NamedTuple
 
@@ -381,19 +382,7 @@ class Items(NamedTuple):
         round robin over the same order would give some CTAs only long pairs (the positions
         repeat with the period of the batch and pair counts): 1.4-1.6x the balanced time
         with a causal mask. An item costs its key tiles plus one for its Q load and output."""
-        cost = np.asarray(pair_tiles, np.int64) + 1
-        free = [(0, cta) for cta in range(self.ctas)]
-        assigned = [[] for _ in range(self.ctas)]
-        for index in range(self.total):
-            busy, cta = heapq.heappop(free)
-            assigned[cta].append(index)
-            heapq.heappush(free, (busy + int(cost[(index // self.batch) % self.pairs]), cta))
-        most = max(len(a) for a in assigned)
-        table = np.zeros((self.ctas, 1 + most), np.int32)
-        for cta, indices in enumerate(assigned):
-            table[cta, 0] = len(indices)
-            table[cta, 1:1 + len(indices)] = indices
-        return table
+        return _greedy_table(self, tuple(int(x) + 1 for x in pair_tiles))
 
     def count(self, table):
         """How many items this CTA takes (`table`'s ref)."""
@@ -405,6 +394,24 @@ class Items(NamedTuple):
         index = table[lax.axis_index("cta"), 1 + step]
         return lax.div(index, self.pairs * self.batch), lax.rem(lax.div(index, self.batch), self.pairs), \
             lax.rem(index, self.batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy_table(items: Items, cost: tuple[int, ...]) -> np.ndarray:
+    """`Items.table` for the items' costs by pair position (cached: a call's forward is traced
+    again under grad and remat, and 100k items take a few tenths of a second)."""
+    free = [(0, cta) for cta in range(items.ctas)]
+    assigned = [[] for _ in range(items.ctas)]
+    for index in range(items.total):
+        busy, cta = heapq.heappop(free)
+        assigned[cta].append(index)
+        heapq.heappush(free, (busy + cost[(index // items.batch) % items.pairs], cta))
+    table = np.zeros((items.ctas, 1 + max(len(a) for a in assigned)), np.int32)
+    for cta, indices in enumerate(assigned):
+        table[cta, 0] = len(indices)
+        table[cta, 1:1 + len(indices)] = indices
+    table.flags.writeable = False  # shared by the callers of the cache
+    return table
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: int, block_kv: int,
