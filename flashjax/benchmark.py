@@ -317,9 +317,10 @@ def config_overrides(config, text: str | None):
     """`config` (a dataclass, e.g. a MosaicConfig) with ``"field=value,..."`` applied.
 
     ``"kernel.field=value"`` reaches a nested dataclass (``"fwd.block_k=64"`` of a
-    TritonConfig). Values that are whole numbers become ints, others stay strings; the
-    config's own checks then run (``dataclasses.replace`` builds a new one). Empty or
-    None `text` returns `config` unchanged.
+    TritonConfig). Values that are whole numbers become ints, true / false bools and none
+    None (any case), others stay strings; the config's own checks then run
+    (``dataclasses.replace`` builds a new one). Empty or None `text` returns `config`
+    unchanged.
 
     Raises:
       ValueError: an item without "=", or a field the config does not have.
@@ -336,6 +337,10 @@ def config_overrides(config, text: str | None):
 
 
 def _parse_value(text: str):
+    """A whole number as an int, true/false as a bool, none as None; anything else as it is."""
+    words = {"true": True, "false": False, "none": None}
+    if text.lower() in words:
+        return words[text.lower()]
     return int(text) if text.lstrip("-").isdigit() else text
 
 

@@ -512,6 +512,18 @@ def test_forward_ctas(monkeypatch, head_dim, v_head_dim, options, persistent):
     assert fits == persistent or t.ranges
 
 
+def test_config_overrides_parse_bools_and_none():
+    """`--mosaic-config` values: booleans and None reach the config as such (the string
+    "false" would turn the persistent forward on), and a config refuses a non-bool flag."""
+    from flashjax import benchmark
+
+    config = benchmark.config_overrides(MosaicConfig(), "fwd_persistent=false,bwd_block_q_dense=None,stages=3")
+    assert (config.fwd_persistent, config.bwd_block_q_dense, config.stages) == (False, None, 3)
+    assert benchmark.config_overrides(config, "fwd_persistent=True").fwd_persistent is True
+    with pytest.raises(ValueError, match="fwd_persistent"):
+        MosaicConfig(fwd_persistent="false")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("batch,pairs,heads,ctas", [(2, 64, 16, 132), (3, 5, 4, 7), (1, 1, 2, 2)])
 def test_persistent_schedule(batch, pairs, heads, ctas, causal):

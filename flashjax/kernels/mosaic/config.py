@@ -96,6 +96,8 @@ class MosaicConfig:
                 continue
             if value < 64 or value % 64:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
+        if not isinstance(self.fwd_persistent, bool):
+            raise ValueError(f"MosaicConfig.fwd_persistent must be a bool, got {self.fwd_persistent!r}.")
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
         for name in ("stages", "bwd_stages"):
