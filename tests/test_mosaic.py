@@ -508,7 +508,7 @@ def test_forward_ctas(monkeypatch, head_dim, v_head_dim, options, persistent):
     assert mosaic_backend.forward_ctas(dataclasses.replace(config, fwd_persistent=False), t, (2, q_len, 4), *dims,
                                        2) is None
     # What the sm_90 lowering's shared-memory check would refuse is not chosen.
-    fits = mosaic_backend.forward_smem_bytes(t, *dims, 2, persistent=True) <= mosaic_backend.SMEM_BYTES
+    fits = mosaic_backend.persistent_forward_smem_bytes(t, *dims, 2) <= mosaic_backend.SMEM_BYTES
     assert fits == persistent or t.ranges
 
 

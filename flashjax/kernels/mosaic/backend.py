@@ -323,12 +323,12 @@ def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: Mo
     return t, common.round_up(seq_q, COMPUTE_WGS * t.block_q), common.round_up(seq_k, t.block_kv)
 
 
-def forward_smem_bytes(t: Tiling, dim: int, v_dim: int, itemsize: int, *, persistent: bool) -> int:
-    """Shared memory of the forward kernel at tiling `t` (padded head dims): the query tiles,
-    the K/V ring, the rows' lse, the bias ring, the segment ids' scratch and, persistent, the
+def persistent_forward_smem_bytes(t: Tiling, dim: int, v_dim: int, itemsize: int) -> int:
+    """Shared memory of the persistent forward kernel at tiling `t` (padded head dims): the
+    query tiles, the K/V ring, the rows' lse, the bias ring, the segment ids' scratch and the
     output tiles, each rounded up to 1 KB, and 2 KB for the barriers and the alignment of
-    the scoped allocations (head dim 64 with a bias, persistent: 232,592 bytes in the sm_90
-    lowering against 229,888 in buffers)."""
+    the scoped allocations (head dim 64 with a bias: 232,592 bytes in the sm_90 lowering
+    against 229,888 in buffers)."""
     rows = COMPUTE_WGS * t.block_q
     buffers = [rows * dim * itemsize, t.stages * t.block_kv * dim * itemsize, t.stages * t.block_kv * v_dim * itemsize,
                rows * 4]
@@ -336,8 +336,7 @@ def forward_smem_bytes(t: Tiling, dim: int, v_dim: int, itemsize: int, *, persis
         buffers.append(t.stages * rows * t.block_kv * itemsize)
     if t.segments:
         buffers += [rows * 4, t.stages * t.block_kv * 4]
-    if persistent:
-        buffers.append(rows * v_dim * itemsize)
+    buffers.append(rows * v_dim * itemsize)  # O's own tiles
     return sum(common.round_up(size, 1024) for size in buffers) + 2048
 
 
@@ -349,7 +348,7 @@ def forward_ctas(config: MosaicConfig, t: Tiling, shape: tuple[int, int, int], d
     ranges (lengths, documents, a block mask: the items' work is known only on the device,
     and the per-item grid's hardware scheduling balances it)."""
     if (not config.fwd_persistent or t.ranges
-            or forward_smem_bytes(t, dim, v_dim, itemsize, persistent=True) > SMEM_BYTES):
+            or persistent_forward_smem_bytes(t, dim, v_dim, itemsize) > SMEM_BYTES):
         return None
     batch, q_len, heads = shape
     items = batch * heads * (q_len // (COMPUTE_WGS * t.block_q))
