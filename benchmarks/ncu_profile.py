@@ -15,7 +15,8 @@ Then, anywhere:
 jitted forward+backward call per window (cuProfilerStart/Stop around it), in the
 order it prints; a one-thread marker kernel opens each window so `summarize` can
 tell the windows apart. Problems and inputs are those of `flashjax.benchmark` (bf16,
-16384 tokens per batch) at D=128, H=16.
+16384 tokens per batch) at H=16 and the head dims of `--dims` (default 128; "192x128":
+queries and keys 192 wide, values 128, as MLA).
 `summarize` prints, per window, each kernel's time, the FLOPs its matrix products
 perform (not the credited count: the recomputing backward does more) and the
 counters that say what bounds it.
@@ -26,16 +27,27 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import itertools
 import json
 import sys
 from pathlib import Path
 
 MARKER = "flashjax_window_marker"
-HEADS, HEAD_DIM = 16, 128
+HEADS = 16
 
 # Matrix products each kernel performs, in units of 2*B*H*Tq*Tk*D (one Tq x Tk x D product),
-# before halving for causal. Forward: S, PV. dK/dV: S^T, dP^T, dV, dK. dQ: S, dP, dQ.
-PRODUCTS = {"flashjax_mosaic_fwd": 2, "flashjax_mosaic_dkv": 4, "flashjax_mosaic_dq": 3}
+# before halving for causal, as (products over the query/key head dim, over the value head
+# dim). Forward: S; PV. dK/dV: S^T, dK; dP^T, dV. dQ: S, dQ; dP.
+PRODUCTS = {"flashjax_mosaic_fwd": (1, 1), "flashjax_mosaic_dkv": (2, 2), "flashjax_mosaic_dq": (2, 1)}
+
+
+def parse_dims(text):
+    """'128,192x128' -> [(128, 128), (192, 128)]: (query/key head dim, value head dim)."""
+    dims = []
+    for item in text.split(","):
+        head_dim, _, v_head_dim = item.partition("x")
+        dims.append((int(head_dim), int(v_head_dim or head_dim)))
+    return dims
 
 
 def parse_cells(text):
@@ -58,8 +70,8 @@ def parse_impls(text):
     return impls
 
 
-def flashjax_config(backend: str, fields: str):
-    """None (the tuned default), or the backend's default config at HEAD_DIM with "field=value,..." applied."""
+def flashjax_config(backend: str, fields: str, head_dim: int, v_head_dim: int):
+    """None (the tuned default), or the backend's default config at these head dims with "field=value,..." applied."""
     if not fields:
         return None
     import jax.numpy as jnp
@@ -67,7 +79,8 @@ def flashjax_config(backend: str, fields: str):
     from flashjax import MosaicConfig, TritonConfig
     from flashjax.benchmark import config_overrides
 
-    default = MosaicConfig.default(HEAD_DIM) if backend == "mosaic" else TritonConfig.default(HEAD_DIM, jnp.bfloat16)
+    default = (MosaicConfig.default(head_dim, v_head_dim=v_head_dim) if backend == "mosaic"
+               else TritonConfig.default(head_dim, jnp.bfloat16))
     return config_overrides(default, fields)
 
 
@@ -88,17 +101,18 @@ def run(args):
         print(f"no window markers ({type(e).__name__}: {e}); windows follow the order below", flush=True)
 
     windows = []
-    for seq, causal in parse_cells(args.cells):
-        cell = Cell(f"d{HEAD_DIM}", HEADS, HEADS, HEAD_DIM, seq, causal, "fwdbwd", "profile")
+    for (head_dim, v_head_dim), (seq, causal) in itertools.product(parse_dims(args.dims), parse_cells(args.cells)):
+        cell = Cell(f"d{head_dim}", HEADS, HEADS, head_dim, seq, causal, "fwdbwd", "profile")
         batch = cell.batch
         q, k, v, do = make_inputs(cell, seed=seq)
+        v, do = v[..., :v_head_dim], do[..., :v_head_dim]  # MLA: narrower values
         for impl in parse_impls(args.impls):
             if impl == "cudnn":
                 attend = lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
             else:
                 # "mosaic:bwd_stages=3": config fields after the colon (flashjax.benchmark.config_overrides).
                 backend, _, fields = impl.partition(":")
-                config = flashjax_config(backend, fields)
+                config = flashjax_config(backend, fields, head_dim, v_head_dim)
                 attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)
             step = jax.jit(timed_fn(cell, attend))  # jax.grad of sum(out * do) w.r.t. q, k, v
             for _ in range(3):
@@ -111,7 +125,8 @@ def run(args):
                 marker((1,), (1,), (len(windows),))
             jax.block_until_ready(step(q, k, v, do))
             cuda.cuProfilerStop()
-            windows.append({"seq": seq, "causal": causal, "impl": impl, "batch": batch})
+            windows.append({"seq": seq, "causal": causal, "impl": impl, "batch": batch, "head_dim": head_dim,
+                            "v_head_dim": v_head_dim})
             print("window", len(windows) - 1, json.dumps(windows[-1]), flush=True)
     if args.windows:
         Path(args.windows).write_text(json.dumps(windows))
@@ -148,7 +163,8 @@ def summarize(args):
     stall_cols = [c for c in rows[0] if c.startswith("smsp__average_warps_issue_stalled_") and c.endswith("_per_issue_active.ratio")]
     for i, group in enumerate(groups):
         w = windows[i] if windows and i < len(windows) else {}
-        title = f"T={w.get('seq')} {'causal' if w.get('causal') else 'full'} {w.get('impl')}" if w else f"window {i}"
+        dims = f"D={w.get('head_dim', 128)}" + (f"x{w['v_head_dim']}" if w.get("v_head_dim", w.get("head_dim")) != w.get("head_dim") else "")
+        title = f"{dims} T={w.get('seq')} {'causal' if w.get('causal') else 'full'} {w.get('impl')}" if w else f"window {i}"
         total = sum(number(r["gpu__time_duration.sum"]) for r in group) * to_ns
         print(f"\n## {title}: {len(group)} kernels, {total / 1e6:.3f} ms")
         for r in sorted(group, key=lambda r: -number(r["gpu__time_duration.sum"])):
@@ -157,7 +173,10 @@ def summarize(args):
             line = f"- {name[:60]:60s} {ns / 1e6:8.3f} ms"
             short = next((k for k in PRODUCTS if k in name), None)
             if short and w:
-                work = PRODUCTS[short] * 2 * w["batch"] * HEADS * w["seq"] ** 2 * HEAD_DIM * (0.5 if w["causal"] else 1)
+                head_dim = w.get("head_dim", 128)
+                qk_products, v_products = PRODUCTS[short]
+                dims = qk_products * head_dim + v_products * w.get("v_head_dim", head_dim)
+                work = 2 * w["batch"] * HEADS * w["seq"] ** 2 * dims * (0.5 if w["causal"] else 1)
                 line += f"  performed {work / ns / 1e3:6.1f} TFLOP/s"
             if ns < 0.02 * total:
                 print(line)
@@ -185,6 +204,7 @@ def main(argv=None):
     r.add_argument("--cells", default="8192:no,16384:yes", help="SEQ:yes|no causal, comma-separated")
     r.add_argument("--impls", default="mosaic,cudnn", help="flashjax backends (mosaic:FIELD=VALUE,... sets MosaicConfig fields, "
                         "triton:fwd.block_k=64,... TritonConfig fields) and/or cudnn")
+    r.add_argument("--dims", default="128", help="head dims, comma-separated: D, or DQKxDV (192x128: MLA)")
     r.add_argument("--windows", default="", help="write the window list (JSON) here")
     s = sub.add_parser("summarize", help="read ncu's raw CSV log")
     s.add_argument("raw")

@@ -149,3 +149,24 @@ def test_variants_smoke(tmp_path):
             assert row["flashjax_mosaic_fwd_status"] == "unsupported" and row["fa3_fwd_status"] == "unsupported"
     table = _script("plot").variants_markdown(json.loads(out.read_text()))
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
+
+
+def test_ncu_profile_summary(tmp_path, capsys):
+    """benchmarks/ncu_profile.py summarize: each kernel's time from ncu's raw CSV, per marked
+    window, and the TFLOP/s its products perform with each product's own head dim (MLA)."""
+    ncu = _script("ncu_profile")
+    assert ncu.parse_dims("128,192x128") == [(128, 128), (192, 128)]
+    batch, seq = 4, 4096
+    # dK/dV at 192 / 128, causal: S^T and dK over 192, dP^T and dV over 128.
+    dkv_flops = 2 * batch * ncu.HEADS * seq ** 2 * (2 * 192 + 2 * 128) * 0.5
+    rows = [["Kernel Name", "gpu__time_duration.sum"], ["", "msecond"], [ncu.MARKER, "0.001"],
+            ["flashjax_mosaic_dkv_mosaic_gpu_kernel", "1.25"], ["flashjax_mosaic_dq_mosaic_gpu_kernel", "0.5"]]
+    raw = tmp_path / "raw.csv"
+    raw.write_text("==PROF== a line ncu logs\n" + "\n".join(",".join(f'"{x}"' for x in r) for r in rows) + "\n")
+    windows = tmp_path / "windows.json"
+    windows.write_text(json.dumps([dict(seq=seq, causal=True, impl="mosaic", batch=batch, head_dim=192, v_head_dim=128)]))
+    ncu.main(["summarize", str(raw), "--windows", str(windows)])
+    text = capsys.readouterr().out
+    assert "## D=192x128 T=4096 causal mosaic: 2 kernels, 1.750 ms" in text
+    dkv_line = next(line for line in text.splitlines() if "dkv" in line)
+    assert f"{dkv_flops / 1.25e-3 / 1e12:.1f} TFLOP/s" in dkv_line, dkv_line
