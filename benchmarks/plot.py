@@ -298,10 +298,16 @@ def variants_markdown(results: dict) -> str:
     for r in rows:
         if r.get("date", results["date"]) != results["date"]:
             later.setdefault(r["date"], []).append(r["variant"])
-        # Cells re-measured apart from their row carry their own date.
-        for impl, label in columns:
+    # Cells re-measured apart from their row carry their own date; named by variant where
+    # only some rows' cells were.
+    for impl, label in columns:
+        redated = {}
+        for r in rows:
             if r.get(f"{impl}_date", results["date"]) != results["date"]:
-                later.setdefault(r[f"{impl}_date"], []).append(f"{label} cells")
+                redated.setdefault(r[f"{impl}_date"], []).append(r["variant"])
+        for d, variants in redated.items():
+            some = len(variants) < sum(1 for r in rows if r.get(f"{impl}_fwd_ms") is not None)
+            later.setdefault(d, []).append(f"{label} cells" + (f" of {', '.join(sorted(set(variants)))}" if some else ""))
     date = results["date"] + "".join(f" ({', '.join(sorted(set(v)))}: {d})" for d, v in sorted(later.items()))
     lines += ["", f"{results['device']}, JAX {results['jax']}, {date}; bf16, H={e['heads']}, D={e['head_dim']}, ms. "
               "The last column: the faster flashjax backend's time over its time on the row's baseline (the unmasked "
