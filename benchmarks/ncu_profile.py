@@ -163,7 +163,10 @@ def summarize(args):
     stall_cols = [c for c in rows[0] if c.startswith("smsp__average_warps_issue_stalled_") and c.endswith("_per_issue_active.ratio")]
     for i, group in enumerate(groups):
         w = windows[i] if windows and i < len(windows) else {}
-        dims = f"D={w.get('head_dim', 128)}" + (f"x{w['v_head_dim']}" if w.get("v_head_dim", w.get("head_dim")) != w.get("head_dim") else "")
+        # Windows written before --dims carry no head dims: D=128.
+        head_dim = w.get("head_dim", 128)
+        v_head_dim = w.get("v_head_dim", head_dim)
+        dims = f"D={head_dim}" + (f"x{v_head_dim}" if v_head_dim != head_dim else "")
         title = f"{dims} T={w.get('seq')} {'causal' if w.get('causal') else 'full'} {w.get('impl')}" if w else f"window {i}"
         total = sum(number(r["gpu__time_duration.sum"]) for r in group) * to_ns
         print(f"\n## {title}: {len(group)} kernels, {total / 1e6:.3f} ms")
@@ -173,10 +176,9 @@ def summarize(args):
             line = f"- {name[:60]:60s} {ns / 1e6:8.3f} ms"
             short = next((k for k in PRODUCTS if k in name), None)
             if short and w:
-                head_dim = w.get("head_dim", 128)
                 qk_products, v_products = PRODUCTS[short]
-                dims = qk_products * head_dim + v_products * w.get("v_head_dim", head_dim)
-                work = 2 * w["batch"] * HEADS * w["seq"] ** 2 * dims * (0.5 if w["causal"] else 1)
+                width = qk_products * head_dim + v_products * v_head_dim  # summed over the kernel's products
+                work = 2 * w["batch"] * HEADS * w["seq"] ** 2 * width * (0.5 if w["causal"] else 1)
                 line += f"  performed {work / ns / 1e3:6.1f} TFLOP/s"
             if ns < 0.02 * total:
                 print(line)
