@@ -372,13 +372,16 @@ def readme_sections(results_file: Path, config: str) -> dict[str, str]:
     # The other head-dim configs the file holds, each under its own markers (results-d256, ...).
     for other in sorted({c["config"] for c in results["cells"].values()} - {config}):
         sections[f"results-{other}"] = markdown(results, other)
-    for name, prefix, render in (("variants", "variants-", variants_markdown), ("ring", "ring-", ring_markdown),
-                                 ("train", "train_lm-", train_markdown)):
+    for name, prefix, render in (("variants", "variants-", variants_markdown), ("train", "train_lm-", train_markdown)):
         # The same GPU's file where there is one (mtimes say nothing in a fresh clone).
         same_device = RESULTS_DIR / f"{prefix}{results_file.name}"
         path = same_device if same_device.exists() else newest(prefix)
         if path is not None:
             sections[name] = render(load(path))
+    # One ring table per machine measured (2 GPUs, 4 GPUs, ...), fewest GPUs first.
+    rings = sorted((load(p) for p in RESULTS_DIR.glob("ring-*.json")), key=lambda r: (r["devices"], r["device"]))
+    if rings:
+        sections["ring"] = "\n\n".join(ring_markdown(r) for r in rings)
     return sections
 
 
