@@ -1,6 +1,6 @@
 """Ring attention over all visible GPUs against flash attention on one GPU.
 
-    python benchmarks/ring.py                          # T = 32k, 64k, 128k; ~5-7 min on 2 H200s
+    python benchmarks/ring.py                          # T = 32k, 64k, 128k; ~5-7 min on 2 H200s or 4 H100s
     python benchmarks/ring.py --seqlens 32768 --reps 3
     python benchmarks/ring.py --smoke                  # CPU: 2 host devices, tiny, interpret mode
 

@@ -197,9 +197,10 @@ def ring_attention(
         for the batch and head dimensions (data/head parallelism on top of the
         ring); kv_heads must be divisible by the head axis size too.
       backend: the backend of the per-block calls, chosen as in
-        `flashjax.flash_attention` (``"auto"``: the Hopper kernels on an H100/H200
-        without segment ids, else the Triton kernels; ``"xla"``: pure-JAX blocks,
-        materialising each block's scores, for checking).
+        `flashjax.flash_attention` (``"auto"``: the Hopper kernels on an H100/H200,
+        segment ids and softcap included; the Triton kernels on other GPUs and for
+        score_mod/mask_mod; ``"xla"``: pure-JAX blocks, materialising each block's
+        scores, for checking).
       config: the chosen backend's config for the per-block calls; ``None`` = tuned default.
       sinks: float ``[heads]``, a logit per query head that joins every row's softmax
         denominator and contributes no value (gpt-oss's attention sinks), as in
