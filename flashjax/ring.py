@@ -43,13 +43,15 @@ layout, one per sliced side, the held block's device for the keys) as an operand
 wrapper of the user's function applies it; the gradients of the float arrays a score_mod
 closes over are summed over the steps and the devices.
 
-Communication overlap: the ppermute of the next K/V block is issued before the
-current block's attention and nothing of that step reads its result, so XLA
-schedules it as an asynchronous collective-permute (start ... done) around the
-kernel. In the backward the accumulator sent after step s is only added to after
-step s+1's kernels, for the same reason. The ring is unrolled in Python (N is
-static and small), so each step's kernel and collectives are plain HLO ops the
-scheduler can reorder, with no while loop between them.
+Communication: the ppermute of the next K/V block is issued before the current
+block's attention and nothing of that step reads its result, and in the backward the
+accumulator sent after step s is only added to after step s+1's kernels, so XLA is
+free to run each transfer under a kernel. The ring is unrolled in Python (N is static
+and small), so each step's kernel and collectives are plain HLO ops the scheduler can
+reorder, with no while loop between them. Whether it does is XLA's choice: with the
+Triton blocks it runs one of a step's two transfers under the kernel; with the Hopper
+(Mosaic GPU) blocks JAX 0.11.2's XLA keeps every transfer synchronous, between kernels
+(benchmarks/results/ring-notes.md has the traces).
 """
 
 from __future__ import annotations
