@@ -563,7 +563,7 @@ def _local_forward(ring: _Ring, q, k, v, segments, score_consts=(), mask_consts=
     o = lse = None
     for step in range(ring.size):
         # Issued before this step's attention, which does not read it: the transfer
-        # of the next block overlaps the kernel.
+        # of the next block may run under the kernel (XLA's choice, module docstring).
         incoming = _shift(ring, held) if step < ring.size - 1 else None
         k_s, v_s, kv_ids_s = held
         o_s, lse_s = _step_forward(ring, step, q, k_s, v_s, _pair(q_ids, kv_ids_s), mods)
@@ -588,7 +588,7 @@ def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse, score_cons
         if mods is not None:
             dconsts = tuple(None if a is None else a + b for a, b in zip(dconsts, dconsts_s))
         # The accumulator is added to only after this step's kernels, so its transfer
-        # (sent at the end of the previous step) overlaps them.
+        # (sent at the end of the previous step) may run under them.
         acc = (dk_s, dv_s) if arriving is None else (arriving[0] + dk_s, arriving[1] + dv_s)
         # After N sends the accumulator of block r is back on device r.
         arriving = _shift(ring, acc)
