@@ -4,11 +4,12 @@ On the CPU the suite runs the Pallas kernels in interpret mode; on a GPU the sam
 tests (forward, gradients, variants, dropout, Flax) compile them with Triton (and
 Mosaic GPU on Hopper), and tests/test_gpu.py adds realistic bf16 sizes. Tests that
 only make sense on the CPU (multi-host-device rings, notebooks, the CLI) are left out.
-The groups fit one 10-minute device call each on an H100 with 8 workers. The ``ring``
-group runs the ring over every visible GPU (skipped with fewer than 2): give it ``-n 1``,
-each of its tests uses all the GPUs (~4 minutes on 4 H100s).
+The groups fit one 10-minute device call each on an H100 with 8 workers. The
+``multigpu`` group runs the ring and batch/head sharding over every visible GPU (skipped
+with fewer than 2): give it ``-n 1``, each of its tests uses all the GPUs (the ring's
+took ~4 minutes on 4 H100s).
 
-    python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|ring|all] [-n WORKERS] [extra pytest args]
+    python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|multigpu|all] [-n WORKERS] [extra pytest args]
 
 Each pytest worker gets a slice of GPU memory instead of JAX's default 75%; a test that
 hangs is stopped after --timeout seconds (its worker restarts) instead of stalling the run.
@@ -29,8 +30,9 @@ GROUPS = {
     "grads": ["tests/test_attention.py", "tests/test_grad.py"],
     "flax": ["tests/test_flax.py"],
     "decode": ["tests/test_decode.py", "tests/test_flex.py"],
-    # The ring over every visible GPU (each test uses all of them: run it with -n 1).
-    "ring": ["tests/test_ring.py::test_ring_on_gpus"],
+    # The ring and batch/head sharding over every visible GPU (each test uses all of them:
+    # run the group with -n 1).
+    "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus"],
 }
 
 

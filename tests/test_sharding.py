@@ -21,11 +21,12 @@ from multidevice import DEVICES, run_on_devices
 
 
 def check_sharded(*, seed, mesh_shape, batch_axis, head_axis, batch=4, seq=64, heads=4, kv_heads=4, head_dim=32,
-                  causal=False, dtype="float32", extras=False):
+                  causal=False, dtype="float32", extras=False, backend="triton"):
     """Output, lse and gradients equal the reference's; the compiled program gathers nothing.
 
     With ``extras``: a bias broadcast over the batch (its gradient sums over the batch
-    shards), segment ids and key lengths, all sharded along with q, k, v.
+    shards), segment ids and key lengths, all sharded along with q, k, v. ``backend``: the
+    per-shard calls' (the Triton kernels, in interpret mode on CPU devices).
     """
     dtype = jnp.dtype(dtype)
     mesh = jax.make_mesh(mesh_shape, ("data", "model")[: len(mesh_shape)])
@@ -47,7 +48,7 @@ def check_sharded(*, seed, mesh_shape, batch_axis, head_axis, batch=4, seq=64, h
         kwargs = dict(arrays, **dict(zip(diff, diff_arrays)))
         return sharded_flash_attention(
             q, k, v, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis, causal=causal,
-            return_lse=True, backend="triton", **kwargs,
+            return_lse=True, backend=backend, **kwargs,
         )
 
     def oracle(q, k, v, *diff_arrays):
@@ -165,3 +166,34 @@ def test_sharded_mods_see_global_indices(block_mask, request):
 
 def test_sharded_errors():
     run_on_devices(__file__, "check_errors")
+
+
+# The same checks over every visible GPU, the shards on the kernels `auto` picks (the Hopper
+# kernels on H100/H200), bf16 at a size the Hopper tiles fill.
+GPU_SHARDED_CASES = [
+    pytest.param(dict(axes="batch", causal=True), id="batch-causal"),
+    pytest.param(dict(axes="heads"), id="heads-gqa"),
+    pytest.param(dict(axes="batch-heads", extras=True), id="batch-heads-extras"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_SHARDED_CASES)
+def test_sharded_on_gpus(case, request):
+    """Batch- and head-sharded attention over every visible GPU (2 or more), against the reference."""
+    gpus = jax.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 or more GPUs to shard over; {gpus} visible")
+    case = dict(case)
+    axes = case.pop("axes")
+    if axes == "batch":
+        layout = dict(mesh_shape=(gpus,), batch_axis="data", head_axis=None, batch=2 * gpus, heads=4, kv_heads=2)
+    elif axes == "heads":
+        layout = dict(mesh_shape=(gpus,), batch_axis=None, head_axis="data", batch=2, heads=4 * gpus, kv_heads=2 * gpus)
+    else:
+        if gpus < 4 or gpus % 2:
+            pytest.skip(f"a 2 x (GPUs / 2) mesh needs an even count >= 4; {gpus} visible")
+        layout = dict(mesh_shape=(2, gpus // 2), batch_axis="data", head_axis="model", batch=4, heads=2 * gpus,
+                      kv_heads=gpus)
+    check_sharded(seed=zlib.crc32(request.node.nodeid.encode()), seq=1024, head_dim=128, dtype="bfloat16",
+                  backend="auto", **layout, **case)
