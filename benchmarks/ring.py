@@ -3,6 +3,7 @@
     python benchmarks/ring.py                          # T = 32k, 64k, 128k; ~5-7 min on 2 H200s or 4 H100s
     python benchmarks/ring.py --seqlens 32768 --reps 3
     python benchmarks/ring.py --smoke                  # CPU: 2 host devices, tiny, interpret mode
+    python benchmarks/ring.py --trace /tmp/traces      # also: where each ring cell's time goes
 
 Problem: bfloat16, B = 1, H = 16, D = 128, self-attention of length T, causal (the
 ring with zig-zag load balance) and not. Rows: "single" is `flash_attention` on
@@ -17,7 +18,10 @@ query rows (output, or dq for forward+backward; a mismatch is not timed), warmed
 (`--budget`, default 360 s) are recorded as skipped, so the run stays under 8 minutes
 (the last cell started, 128k forward+backward on one GPU, takes well under a minute).
 
-Writes benchmarks/results/ring-<device>-x<N>.json and prints a table.
+Writes benchmarks/results/ring-<device>-x<N>.json and prints a table. With ``--trace DIR``
+each ring cell is also traced (3 back-to-back calls, `jax.profiler`, after its timing) and
+its entry gets ``trace``: per call, mean over the GPUs, the time kernels run, the time the
+K/V transfers (NCCL) run and how much of that is under a kernel (benchmarks/device_trace.py).
 
 NCCL_NVLS_ENABLE=0 is set before JAX starts: NCCL's NVLink SHARP (multicast)
 collectives can put the shared GPUs of a host out of service for a long time on
@@ -38,7 +42,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flashjax import benchmark  # noqa: E402  (the protocol: flashjax/benchmark.py)
+import device_trace  # noqa: E402  (benchmarks/device_trace.py)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SEQLENS = (32768, 65536, 131072)
@@ -54,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=360.0, help="seconds; later cells are skipped")
     p.add_argument("--out", default=None, help="output .json (default benchmarks/results/ring-<device>-x<N>.json)")
     p.add_argument("--smoke", action="store_true", help="CPU check of the script: 2 host devices, tiny shapes")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="trace each ring cell after timing it (perfetto traces under DIR; a summary per entry)")
     return p.parse_args(argv)
 
 
@@ -102,6 +110,7 @@ def main(argv=None):
                     if time.perf_counter() - start > args.budget:
                         entry["status"] = "skipped (time budget)"
                         continue
+                    trace_line = None
                     try:
                         sharding = one_gpu if impl == "single" else seq_sharding
                         inputs = host
@@ -125,9 +134,18 @@ def main(argv=None):
                                                                       reps=args.reps)
                             per_gpu = cell.flops() / entry["devices"] / seconds / 1e12
                             entry.update(status="ok", seconds=seconds, times=times, tflops_per_gpu=per_gpu)
+                            if args.trace and impl == "ring":
+                                calls = 3
+                                path = device_trace.capture(lambda: compiled(*args_), jax.block_until_ready, calls,
+                                                            f"{args.trace}/{seq}-{int(causal)}-{mode}")
+                                traced = device_trace.summarize(path, calls)
+                                entry["trace"] = device_trace.mean_over_devices(traced)
+                                trace_line = device_trace.describe(traced)
                     except Exception as e:  # recorded, never a crash: the other cells still run
                         entry.update(status="oom" if benchmark.is_oom(e) else "error", error=benchmark.short_error(e))
                     print(_row(entry), flush=True)
+                    if trace_line:
+                        print("  " + trace_line, flush=True)
                 _efficiency(entries[-2:])
 
     report = dict(

@@ -50,8 +50,8 @@ free to run each transfer under a kernel. The ring is unrolled in Python (N is s
 and small), so each step's kernel and collectives are plain HLO ops the scheduler can
 reorder, with no while loop between them. Whether it does is XLA's choice: with the
 Triton blocks it runs one of a step's two transfers under the kernel; with the Hopper
-(Mosaic GPU) blocks JAX 0.11.2's XLA keeps every transfer synchronous, between kernels
-(benchmarks/results/ring-notes.md has the traces).
+(Mosaic GPU) blocks JAX 0.11.2's XLA puts the transfers before the kernel that could hide
+them, synchronous (benchmarks/results/ring-notes.md has the traces).
 """
 
 from __future__ import annotations

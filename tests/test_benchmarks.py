@@ -170,3 +170,53 @@ def test_ncu_profile_summary(tmp_path, capsys):
     assert "## D=192x128 T=4096 causal mosaic: 2 kernels, 1.750 ms" in text
     dkv_line = next(line for line in text.splitlines() if "dkv" in line)
     assert f"{dkv_flops / 1.25e-3 / 1e12:.1f} TFLOP/s" in dkv_line, dkv_line
+
+
+def test_device_trace_summary(tmp_path):
+    """benchmarks/device_trace.py: per GPU and per call, the time kernels run, the time NCCL
+    kernels run and the part of it under a kernel, from a perfetto trace (copies ignored,
+    overlapping events on several streams counted once)."""
+    import gzip
+
+    trace = _script("device_trace")
+    meta = lambda pid, name: dict(ph="M", name="process_name", pid=pid, args=dict(name=name))
+    event = lambda pid, tid, name, ts, dur: dict(ph="X", pid=pid, tid=tid, name=name, ts=ts, dur=dur)
+    events = [
+        meta(1, "/device:GPU:0"), meta(2, "/device:GPU:1"), meta(9, "/host:CPU"),
+        # GPU 0: kernels 0-100 and 50-120 (two streams: 120 us of kernels), a copy, NCCL 100-200
+        # (20 us under the second kernel), both calls' worth.
+        event(1, 7, "flashjax_mosaic_fwd_mosaic_gpu_kernel", 0, 100),
+        event(1, 8, "flashjax_mosaic_fwd_mosaic_gpu_kernel", 50, 70),
+        event(1, 7, "MemcpyD2H", 120, 5),
+        event(1, 8, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100, 100),
+        # GPU 1: NCCL entirely under a kernel.
+        event(2, 7, "flashjax_fwd", 0, 200), event(2, 8, "ncclDevKernel_SendRecv", 20, 40),
+        event(9, 1, "host work", 0, 1000),  # not a device
+    ]
+    path = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    summary = trace.summarize(path, calls=2)
+    assert set(summary) == {0, 1}
+    assert summary[0] == pytest.approx(dict(span=0.1, kernels=0.06, collectives=0.05, hidden=0.01))
+    assert summary[1] == pytest.approx(dict(span=0.1, kernels=0.1, collectives=0.02, hidden=0.02))
+    mean = trace.mean_over_devices(summary)
+    assert mean["hidden"] == pytest.approx(0.015)
+    assert "(0.01 under a kernel, 0.02 exposed)" in trace.describe(summary)
+    assert trace.describe({}) == "trace: no GPU events"
+
+
+def test_ring_smoke_with_trace(tmp_path):
+    """benchmarks/ring.py --smoke (2 CPU host devices, in its own process: the device count is
+    fixed when JAX starts) with --trace: every cell checked and timed, each ring entry traced."""
+    import os
+    import subprocess
+
+    out = tmp_path / "ring.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, str(BENCHMARKS / "ring.py"), "--smoke", "--out", str(out), "--trace",
+                    str(tmp_path / "traces")], check=True, env=env, capture_output=True, timeout=600)
+    entries = json.loads(out.read_text())["entries"]
+    assert len(entries) == 8 and all(e["status"] == "ok" for e in entries), entries
+    assert all(e["trace"] == {} for e in entries if e["impl"] == "ring")  # no GPU events on a CPU
+    assert all("trace" not in e for e in entries if e["impl"] == "single")
