@@ -135,12 +135,8 @@ def main(argv=None):
                             per_gpu = cell.flops() / entry["devices"] / seconds / 1e12
                             entry.update(status="ok", seconds=seconds, times=times, tflops_per_gpu=per_gpu)
                             if args.trace and impl == "ring":
-                                calls = 3
-                                path = device_trace.capture(lambda: compiled(*args_), jax.block_until_ready, calls,
-                                                            f"{args.trace}/{seq}-{int(causal)}-{mode}")
-                                traced = device_trace.summarize(path, calls)
-                                entry["trace"] = device_trace.mean_over_devices(traced)
-                                trace_line = device_trace.describe(traced)
+                                where = f"{args.trace}/{seq}-{int(causal)}-{mode}"
+                                trace_line = _trace(entry, lambda: compiled(*args_), where)
                     except Exception as e:  # recorded, never a crash: the other cells still run
                         entry.update(status="oom" if benchmark.is_oom(e) else "error", error=benchmark.short_error(e))
                     print(_row(entry), flush=True)
@@ -157,6 +153,21 @@ def main(argv=None):
     print()
     print(_table(entries, n))
     print(f"\nwrote {out} ({report['wall_seconds']:.0f} s)")
+
+
+def _trace(entry, call, directory: str, calls: int = 3) -> str:
+    """Traces `calls` back-to-back calls into `directory`; the entry gets the per-call means
+    over the GPUs (``trace``) or, if tracing fails, the error (``trace_error``): the timing
+    stands either way. Returns the line to print."""
+    import jax
+
+    try:
+        traced = device_trace.summarize(device_trace.capture(call, jax.block_until_ready, calls, directory), calls)
+    except Exception as e:
+        entry["trace_error"] = benchmark.short_error(e)
+        return f"trace failed: {entry['trace_error']}"
+    entry["trace"] = device_trace.mean_over_devices(traced)
+    return device_trace.describe(traced)
 
 
 def _efficiency(pair):
