@@ -41,6 +41,28 @@ def run_on_devices(module_path: str, function: str, **kwargs) -> None:
         )
 
 
+def gpus_or_skip(what: str) -> int:
+    """The count of visible GPUs for a test that spreads `what` over all of them (in the
+    pytest process, on a GPU machine); skips the test with fewer than 2."""
+    import jax
+    import pytest
+
+    gpus = jax.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 or more GPUs to spread {what} over; {gpus} visible")
+    return gpus
+
+
+def two_rows_or_skip(gpus: int) -> tuple[int, int]:
+    """The mesh shape (2, gpus / 2) of a test with a second mesh axis; skips the test where
+    the count is odd or under 4."""
+    import pytest
+
+    if gpus < 4 or gpus % 2:
+        pytest.skip(f"a 2 x (GPUs / 2) mesh needs an even count >= 4; {gpus} visible")
+    return 2, gpus // 2
+
+
 def _main(module_path: str, function: str, kwargs_json: str) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import Inputs, Result, check_close, check_lse, reference_result
-from multidevice import DEVICES, run_on_devices
+from multidevice import DEVICES, gpus_or_skip, run_on_devices, two_rows_or_skip
 from flashjax import reference
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
 
@@ -266,15 +266,11 @@ GPU_RING_CASES = [
 @pytest.mark.parametrize("case", GPU_RING_CASES)
 def test_ring_on_gpus(case, request):
     """The ring over every visible GPU (2 or more), against the float32 reference."""
-    gpus = jax.device_count()
-    if gpus < 2:
-        pytest.skip(f"needs 2 or more GPUs for a ring; {gpus} visible")
+    gpus = gpus_or_skip("a ring")
     case = dict(case)
     mesh_shape = (gpus,)
     if case.pop("data_parallel", False):
-        if gpus < 4 or gpus % 2:
-            pytest.skip(f"a 2 x (GPUs / 2) mesh needs an even count >= 4; {gpus} visible")
-        mesh_shape = (2, gpus // 2)
+        mesh_shape = two_rows_or_skip(gpus)
         case["batch_axis"] = "dp"
     defaults = dict(seq_q=1024, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", backend="auto")
     check_ring(seed=zlib.crc32(request.node.nodeid.encode()), mesh_shape=mesh_shape, **(defaults | case))

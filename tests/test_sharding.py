@@ -17,7 +17,7 @@ import flashjax
 from conftest import check_close, check_lse
 from flashjax import reference
 from flashjax.sharding import sharded_flash_attention
-from multidevice import DEVICES, run_on_devices
+from multidevice import DEVICES, gpus_or_skip, run_on_devices, two_rows_or_skip
 
 
 def check_sharded(*, seed, mesh_shape, batch_axis, head_axis, batch=4, seq=64, heads=4, kv_heads=4, head_dim=32,
@@ -181,9 +181,7 @@ GPU_SHARDED_CASES = [
 @pytest.mark.parametrize("case", GPU_SHARDED_CASES)
 def test_sharded_on_gpus(case, request):
     """Batch- and head-sharded attention over every visible GPU (2 or more), against the reference."""
-    gpus = jax.device_count()
-    if gpus < 2:
-        pytest.skip(f"needs 2 or more GPUs to shard over; {gpus} visible")
+    gpus = gpus_or_skip("the shards")
     case = dict(case)
     axes = case.pop("axes")
     if axes == "batch":
@@ -191,9 +189,7 @@ def test_sharded_on_gpus(case, request):
     elif axes == "heads":
         layout = dict(mesh_shape=(gpus,), batch_axis=None, head_axis="data", batch=2, heads=4 * gpus, kv_heads=2 * gpus)
     else:
-        if gpus < 4 or gpus % 2:
-            pytest.skip(f"a 2 x (GPUs / 2) mesh needs an even count >= 4; {gpus} visible")
-        layout = dict(mesh_shape=(2, gpus // 2), batch_axis="data", head_axis="model", batch=4, heads=2 * gpus,
-                      kv_heads=gpus)
+        layout = dict(mesh_shape=two_rows_or_skip(gpus), batch_axis="data", head_axis="model", batch=4,
+                      heads=2 * gpus, kv_heads=gpus)
     check_sharded(seed=zlib.crc32(request.node.nodeid.encode()), seq=1024, head_dim=128, dtype="bfloat16",
                   backend="auto", **layout, **case)
