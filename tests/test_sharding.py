@@ -127,6 +127,24 @@ def check_sharded_mods(*, seed, block_mask: bool):
             check_close(g, w, jnp.float32, name)
 
 
+def check_sharded_transforms(*, seed):
+    """Batch-sharded attention under jax.checkpoint (gradients) and vmap (an extra leading axis)
+    equals the reference (pure-JAX shards: the transforms act on the shard_map wrapper)."""
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    rng = np.random.default_rng(seed)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((DEVICES, 32, 2, 16), dtype=np.float32)) for _ in range(4))
+    sharded = lambda q, k, v: sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data", causal=True,
+                                                      backend="xla")
+    oracle = lambda q, k, v: reference.attention(q, k, v, causal=True)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)
+    got = jax.jit(jax.grad(loss(jax.checkpoint(sharded)), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(oracle), argnums=(0, 1, 2))(q, k, v)
+    for name, g, x in zip(("dq", "dk", "dv"), got, want):
+        check_close(g, x, jnp.float32, f"remat {name}")
+    stacked = [jnp.stack([a, -0.5 * a]) for a in (q, k, v)]
+    check_close(jax.jit(jax.vmap(sharded))(*stacked), jax.vmap(oracle)(*stacked), jnp.float32, "vmap o")
+
+
 def check_errors():
     """Sequence or head_dim sharding, GQA head counts that do not divide: ValueErrors that say what to do."""
     mesh = jax.make_mesh((DEVICES,), ("x",))
@@ -162,6 +180,10 @@ def test_sharded_matches_reference(case, request):
 @pytest.mark.parametrize("block_mask", [False, True], ids=["mask-mod", "block-mask"])
 def test_sharded_mods_see_global_indices(block_mask, request):
     run_on_devices(__file__, "check_sharded_mods", seed=zlib.crc32(request.node.nodeid.encode()), block_mask=block_mask)
+
+
+def test_sharded_under_remat_and_vmap(request):
+    run_on_devices(__file__, "check_sharded_transforms", seed=zlib.crc32(request.node.nodeid.encode()))
 
 
 def test_sharded_errors():
