@@ -260,6 +260,18 @@ def check_close(got, want, dtype, what: str = "", tol: float | None = None):
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g} ({jnp.dtype(dtype).name})"
 
 
+def check_under_remat_and_vmap(fn, oracle, q, k, v, weights):
+    """fn(q, k, v) (float32) against the oracle: the gradients of sum(sin(o) * weights) with fn
+    under jax.checkpoint and jit, and the output under vmap over an extra leading axis."""
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * weights)
+    got = jax.jit(jax.grad(loss(jax.checkpoint(fn)), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(oracle), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        check_close(g, w, jnp.float32, f"remat {name}")
+    stacked = [jnp.stack([a, -0.5 * a]) for a in (q, k, v)]
+    check_close(jax.jit(jax.vmap(fn))(*stacked), jax.vmap(oracle)(*stacked), jnp.float32, "vmap o")
+
+
 def check_lse(got, want, dtype, what: str = "lse"):
     """Asserts the lse matches: same -inf entries (rows without keys), close elsewhere."""
     got = np.asarray(got, dtype=np.float64)

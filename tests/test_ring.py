@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import Inputs, Result, check_close, check_lse, reference_result
+from conftest import Inputs, Result, check_close, check_lse, check_under_remat_and_vmap, reference_result
 from multidevice import DEVICES, gpus_or_skip, run_on_devices, two_rows_or_skip
 from flashjax import reference
 from flashjax.ring import ring_attention, zigzag_order, zigzag_restore
@@ -182,13 +182,7 @@ def check_ring_transforms(*, seed):
     ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True, load_balance=False,
                                           backend="xla")
     oracle = lambda q, k, v: reference.attention(q, k, v, causal=True)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * x.do)
-    got = jax.jit(jax.grad(loss(jax.checkpoint(ring)), argnums=(0, 1, 2)))(x.q, x.k, x.v)
-    want = jax.grad(loss(oracle), argnums=(0, 1, 2))(x.q, x.k, x.v)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        check_close(g, w, jnp.float32, f"remat {name}")
-    stacked = [jnp.stack([a, -0.5 * a]) for a in (x.q, x.k, x.v)]
-    check_close(jax.jit(jax.vmap(ring))(*stacked), jax.vmap(oracle)(*stacked), jnp.float32, "vmap o")
+    check_under_remat_and_vmap(ring, oracle, x.q, x.k, x.v, x.do)
 
 
 def test_ring_under_remat_and_vmap(request):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flashjax
-from conftest import check_close, check_lse
+from conftest import check_close, check_lse, check_under_remat_and_vmap
 from flashjax import reference
 from flashjax.sharding import sharded_flash_attention
 from multidevice import DEVICES, gpus_or_skip, run_on_devices, two_rows_or_skip
@@ -136,13 +136,7 @@ def check_sharded_transforms(*, seed):
     sharded = lambda q, k, v: sharded_flash_attention(q, k, v, mesh=mesh, batch_axis="data", causal=True,
                                                       backend="xla")
     oracle = lambda q, k, v: reference.attention(q, k, v, causal=True)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w)
-    got = jax.jit(jax.grad(loss(jax.checkpoint(sharded)), argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(loss(oracle), argnums=(0, 1, 2))(q, k, v)
-    for name, g, x in zip(("dq", "dk", "dv"), got, want):
-        check_close(g, x, jnp.float32, f"remat {name}")
-    stacked = [jnp.stack([a, -0.5 * a]) for a in (q, k, v)]
-    check_close(jax.jit(jax.vmap(sharded))(*stacked), jax.vmap(oracle)(*stacked), jnp.float32, "vmap o")
+    check_under_remat_and_vmap(sharded, oracle, q, k, v, w)
 
 
 def check_errors():
