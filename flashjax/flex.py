@@ -103,7 +103,7 @@ class Mod:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
-    def tile(self, refs, *args, grad: bool = False, inline: bool = False, shape: tuple | None = None):
+    def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None):
         """Evaluates the function on a tile inside a kernel.
 
         Args:
@@ -111,8 +111,6 @@ class Mod:
           args: (score,) batch, head, q_idx, kv_idx (and with `sides` the row and column
             values); broadcastable arrays, `Along` vectors or scalars.
           grad: also return d score_mod / d score at each element (score_mod only).
-          inline: evaluate every nested call (jit, custom_jvp) equation by equation: Mosaic
-            GPU has no lowering rule for custom_jvp calls (jnp functions built on them).
           shape: the tile's shape, where `args` may not span it (`Along` vectors, unused
             positions passed as scalars); by default the broadcast of the arrays.
 
@@ -122,11 +120,11 @@ class Mod:
         """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
         if grad and self.additive:
-            return _evaluate_tile(self.jaxpr, consts, args, inline, shape)[0], None
+            return _evaluate_tile(self.jaxpr, consts, args, shape)[0], None
         if grad:
             jaxpr, own = self._value_and_slope
-            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), inline, shape))
-        return _evaluate_tile(self.jaxpr, consts, args, inline, shape)[0]
+            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), shape))
+        return _evaluate_tile(self.jaxpr, consts, args, shape)[0]
 
     @functools.cached_property
     def _read_sides(self) -> dict:
@@ -349,7 +347,7 @@ class Along(NamedTuple):
     axis: int
 
 
-def _evaluate_tile(jaxpr, consts, args, inline: bool = False, shape: tuple | None = None) -> list:
+def _evaluate_tile(jaxpr, consts, args, shape: tuple | None = None) -> list:
     """Evaluates a scalar jaxpr on a tile: `args` are scalars, arrays that broadcast against
     each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]) or `Along` vectors;
     the results have the tile's full shape (`shape`, or the broadcast of the arrays).
@@ -358,7 +356,9 @@ def _evaluate_tile(jaxpr, consts, args, inline: bool = False, shape: tuple | Non
     broadcast shape of its own operands only, so that a value of the rows alone (a row's
     document id read from a closed-over array, a position converted to float) is computed
     once per row, not once per score: a [bq, bk] gather would stage its indices and values
-    through shared memory. `inline`: see `Mod.tile`.
+    through shared memory. Nested calls (jit, custom_jvp) are evaluated equation by
+    equation: Mosaic GPU has no lowering rule for custom_jvp calls (jnp functions built on
+    them), and each select then gets `_bind`'s typed cases.
     """
     arrays = [a for a in args if not isinstance(a, (_ConstRef, Along)) and jnp.ndim(a) > 0]
     rank = len(shape) if shape is not None else max(
@@ -378,7 +378,7 @@ def _evaluate_tile(jaxpr, consts, args, inline: bool = False, shape: tuple | Non
             inputs.append((a, tuple(range(rank))))
     everything = tuple(range(rank))
     tile = tuple(shape) if shape is not None else _span(inputs, everything)
-    outs = _evaluate_batched(jaxpr, [(c, ()) for c in consts], inputs, inline)
+    outs = _evaluate_batched(jaxpr, [(c, ()) for c in consts], inputs)
     return [(jnp.broadcast_to(v, tile + jnp.shape(v)) if not axes else _expand(v, axes, everything, tile))
             if rank else v for v, axes in outs]
 
@@ -403,7 +403,7 @@ def _expand(v, axes: tuple, to_axes: tuple, extent: tuple):
     return lax.broadcast_in_dim(v, shape, dims)
 
 
-def _evaluate_batched(jaxpr, consts, args, inline: bool = False) -> list:
+def _evaluate_batched(jaxpr, consts, args) -> list:
     """`_evaluate` on (value, axes) pairs (see `_evaluate_tile`)."""
     env = {}
 
@@ -415,11 +415,10 @@ def _evaluate_batched(jaxpr, consts, args, inline: bool = False) -> list:
     for eqn in jaxpr.eqns:
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
-        inner = inner_jaxpr(eqn) if has_ref or inline else None
-        if inner is not None:
-            # A nested call that reads a closed-over array: inline it, keeping the batching.
+        inner = inner_jaxpr(eqn)
+        if inner is not None:  # inline, keeping the batching
             jaxpr_, consts_ = inner
-            outs = _evaluate_batched(jaxpr_, [(c, ()) for c in consts_], ins, inline)
+            outs = _evaluate_batched(jaxpr_, [(c, ()) for c in consts_], ins)
         elif not any(axes for _, axes in ins):
             run = _with_refs if has_ref else _bind
             outs = [(o, ()) for o in run(eqn, [v for v, _ in ins])]
@@ -452,6 +451,11 @@ def _bind(eqn, ins) -> list:
     params = eqn.primitive.get_bind_params(eqn.params)
     # JAX versions differ: some return (subfuns, params), others the params alone.
     subfuns, params = params if isinstance(params, tuple) else ((), params)
+    if eqn.primitive is lax.select_n_p:
+        # Pallas' Triton lowering (JAX 0.11.2) gives a weakly typed constant case the
+        # predicate's type (a `where(c, 7, x)` becomes a select of i1 and i32, which Triton
+        # rejects on the GPU): the cases enter with their own dtype, strongly typed.
+        ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) for v, var in zip(ins[1:], eqn.invars[1:]))]
     outs = eqn.primitive.bind(*subfuns, *ins, **params)
     return outs if eqn.primitive.multiple_results else [outs]
 

@@ -1000,6 +1000,23 @@ def test_scalar_bool_and_gathered_closed_over_arrays(rng):
     assert_matches(got, want, jnp.float32)
 
 
+def scalar_selects_of_constants():
+    """(score_mod, mask_mod) choosing per head between Python constants: `jnp.where` on a scalar
+    condition with weakly typed constant cases (Pallas' Triton lowering once gave them the
+    condition's type: a module the GPU's Triton rejects)."""
+    score_mod = lambda score, b, h, i, j: score * jnp.where(h < 2, 0.5, 1.0) + jnp.where(h == 1, 3, h).astype(jnp.float32)
+    mask_mod = lambda b, h, i, j: j <= i + jnp.where(h < 1, 0, 30)
+    return score_mod, mask_mod
+
+
+def test_scalar_selects_of_constants(rng):
+    s = Shape(seq_q=40, seq_k=70, heads=4)
+    x = draw(rng, s, jnp.float32)
+    score_mod, mask_mod = scalar_selects_of_constants()
+    got, want = run_both(x, lambda a: dict(score_mod=score_mod, mask_mod=mask_mod), {})
+    assert_matches(got, want, jnp.float32)
+
+
 def test_vmap_over_examples_and_tables(rng):
     """Under jax.vmap, with a closed-over table batched along with the inputs (one table per example)."""
     q = jnp.asarray(rng.standard_normal((3, 1, 20, 2, 16)), jnp.float32)

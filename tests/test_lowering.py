@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.pallas.triton import pallas_call_registration
 
 from flashjax import MosaicConfig, TritonConfig, autodiff, backends, mods, reference
@@ -36,9 +37,19 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 @pytest.fixture
 def fake_h100(monkeypatch):
     """Answers the Triton lowering's compute-capability query with 90 (Hopper; an int, as
-    `gpu_info.GpuInfo` has it: the float8 conversions compare it with 89)."""
+    `gpu_info.GpuInfo` has it: the float8 conversions compare it with 89), and verifies
+    each Triton module as it is built: Pallas serialises it unverified, and an invalid one
+    fails only when the GPU's Triton parses it."""
     fake = types.SimpleNamespace(get_gpu_info=lambda *args, **kwargs: types.SimpleNamespace(compute_capability=90))
     monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake)
+    lower = triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError with the failing operation
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
 
 
 def lower_attention_for_cuda(params, q, kv, extras: Extras = Extras()) -> str:
@@ -495,6 +506,22 @@ def test_flex_lowers_to_triton_for_sm90(on_hopper):
     text = grad.trace(q, kv, kv, f32(4, 32), f32(4), f32()).lower(lowering_platforms=("cuda",)).as_text()
     count, scores = _kernel_count_and_scores(text, TritonConfig.default(64, dtype))
     assert count == 3 and not scores, (count, scores)
+
+
+def test_flex_scalar_selects_lower_to_triton_for_sm90(on_hopper):
+    """Mods that choose between Python constants per head lower to valid Triton modules (the
+    fixture verifies each): the constants keep their own type, not the condition's."""
+    import flashjax
+    from test_flex import scalar_selects_of_constants
+
+    score_mod, mask_mod = scalar_selects_of_constants()
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = flashjax.flash_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="triton")
+        return jnp.sum(o.astype(jnp.float32))
+
+    lower_for_cuda(loss, q, q, q)
 
 
 @pytest.mark.parametrize("block", [16, 128])

@@ -260,9 +260,6 @@ def test_ring_named_backend_that_cannot_run_the_blocks():
 # Each device's blocks on the kernels `auto` picks (the Hopper kernels on H100/H200; the
 # Triton kernels with mods), bf16 at sizes whose zig-zag chunks fill the Hopper tiles:
 # 1024 tokens over 4 GPUs are chunks of 128 rows. The cases mirror the CPU ones above.
-_MODS_ON_GPUS = pytest.mark.xfail(
-    strict=True, reason="raised a jax.errors exception on 2 and on 4 H100s on 2026-11-26 (passes on CPU devices at "
-    "the same sizes); not diagnosed yet")
 GPU_RING_CASES = [
     pytest.param(dict(causal=False), id="full-gqa"),
     pytest.param(dict(causal=True), id="causal-zigzag-gqa"),
@@ -273,7 +270,7 @@ GPU_RING_CASES = [
     pytest.param(dict(causal=True, segments=[[300, 300, 424]], kv_segments=[[300, 340, 384]], sinks=True),
                  id="causal-zigzag-segments-sinks"),
     pytest.param(dict(causal=True, softcap=2.0, sinks=True), id="causal-zigzag-softcap-sinks"),
-    pytest.param(dict(causal=True, mods=True), id="causal-zigzag-mods", marks=_MODS_ON_GPUS),
+    pytest.param(dict(causal=True, mods=True), id="causal-zigzag-mods"),
     pytest.param(dict(causal=True, batch=2, data_parallel=True), id="causal-zigzag-dp-sp"),
 ]
 
