@@ -16,15 +16,13 @@ such tensors (a positive control).
 
 import math
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.triton import lowering as triton_lowering
-from jax._src.pallas.triton import pallas_call_registration
 
+from cuda_lowering import as_on_h100
 from flashjax import MosaicConfig, TritonConfig, autodiff, backends, mods, reference
 from flashjax.params import AttentionParams, DecodeParams, Extras, KVCache
 
@@ -35,21 +33,10 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 @pytest.fixture
-def fake_h100(monkeypatch):
-    """Answers the Triton lowering's compute-capability query with 90 (Hopper; an int, as
-    `gpu_info.GpuInfo` has it: the float8 conversions compare it with 89), and verifies
-    each Triton module as it is built: Pallas serialises it unverified, and an invalid one
-    fails only when the GPU's Triton parses it."""
-    fake = types.SimpleNamespace(get_gpu_info=lambda *args, **kwargs: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(pallas_call_registration, "gpu_info_lib", fake)
-    lower = triton_lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        result.module.operation.verify()  # raises MLIRError with the failing operation
-        return result
-
-    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+def fake_h100():
+    """Lowers as for an H100, each Triton module verified (`cuda_lowering.as_on_h100`)."""
+    with as_on_h100():
+        yield
 
 
 def lower_attention_for_cuda(params, q, kv, extras: Extras = Extras()) -> str:

@@ -173,6 +173,53 @@ def test_ring_matches_reference(case, request):
     run_on_devices(__file__, "check_ring", seed=seed, **case)
 
 
+def check_ring_lowers_to_triton_for_sm90(*, options: str):
+    """The ring's compiled (non-interpret) Triton blocks lower for CUDA as on an H100, each
+    Triton module verified (`cuda_lowering.as_on_h100`): the kernels, their scoring and the
+    mods' position maps as the GPU's Triton receives them. Forward and backward, zig-zag."""
+    import dataclasses
+
+    from cuda_lowering import as_on_h100
+    from flashjax import ring as ring_module
+
+    def compiled_blocks(check):  # the ring picks interpret mode from the mesh's CPU devices
+        def checked(*args, **kwargs):
+            ring = check(*args, **kwargs)
+            return dataclasses.replace(ring, block=dataclasses.replace(ring.block, interpret=False))
+
+        return checked
+
+    seq, heads = 512, 4
+    extra = {}
+    if options == "mods":
+        table = jnp.zeros((heads, 2 * seq), jnp.float32)
+        doc_ids = jnp.asarray(np.broadcast_to(np.arange(seq) // 40, (1, seq)), jnp.int32)
+        extra = dict(zip(("score_mod", "mask_mod"), _mods(table, doc_ids, 48)))
+    elif options == "segments-softcap":
+        extra = dict(segment_ids=_packed_ids([[100, 300, 112]], seq), softcap=2.0)
+    mesh = jax.make_mesh((2,), ("sp",))
+    q = jax.ShapeDtypeStruct((1, seq, heads, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = ring_attention(q, k, v, mesh=mesh, axis_name="sp", causal=True, backend="triton", **extra)
+        return jnp.sum(o.astype(jnp.float32))
+
+    check = ring_module._check
+    ring_module._check = compiled_blocks(check)
+    try:
+        with as_on_h100():
+            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        ring_module._check = check
+    assert text.count("__gpu$xla.gpu.triton") >= 3, "the ring's forward and backward blocks on the Triton kernels"
+
+
+@pytest.mark.parametrize("options", ["plain", "segments-softcap", "mods"])
+def test_ring_lowers_to_triton_for_sm90(options):
+    run_on_devices(__file__, "check_ring_lowers_to_triton_for_sm90", options=options)
+
+
 def check_ring_transforms(*, seed):
     """The ring under jax.checkpoint (gradients of a rematerialised ring) and under vmap (an
     extra leading axis over the batch) equals the reference (pure-JAX blocks: the transforms
