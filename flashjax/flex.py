@@ -456,6 +456,10 @@ def _bind(eqn, ins) -> list:
         # predicate's type (a `where(c, 7, x)` becomes a select of i1 and i32, which Triton
         # rejects on the GPU): the cases enter with their own dtype, strongly typed.
         ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) for v, var in zip(ins[1:], eqn.invars[1:]))]
+    if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:
+        # Mosaic GPU (JAX 0.11.2) cannot lower the not of a boolean tile ("Register bitwidth
+        # ... must be divisible by 8, got 2"); an xor with True is the same value.
+        return [jnp.logical_xor(ins[0], True)]
     outs = eqn.primitive.bind(*subfuns, *ins, **params)
     return outs if eqn.primitive.multiple_results else [outs]
 

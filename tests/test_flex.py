@@ -1154,3 +1154,81 @@ def test_additive_score_mods_skip_the_derivative(score_mod, additive):
     arrays, is not."""
     mod, _ = flex.trace(score_mod, flex.SCORE_MOD)
     assert mod.additive is additive
+
+
+# ---- random mods (property tests) ----------------------------------------------------------------
+def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
+    """(arrays, options(arrays)): a random score_mod and/or mask_mod built of what user mods
+    are made of, with random built-in options beside them.
+
+    score_mod: one to three of a per-head or per-batch choice between Python constants (a
+    scalar `where`), a learned table read at a clipped relative position, learned per-head
+    slopes times a distance, a select on the positions, a tanh cap and integer arithmetic
+    on the positions. mask_mod: a random program over positions (`_random_mask`), a
+    per-head window made of constants, or both. Every choice is drawn here, so that each
+    trace of the functions is the same program. `arrays` are the learned table and slopes
+    (differentiated by the tests).
+    """
+    n = int(rng.integers(1, shape.heads))
+    c = [round(float(x), 3) for x in rng.uniform(0.3, 1.7, 3)]
+    width = int(rng.integers(3, 40))
+    pieces = [
+        lambda a, s, b, h, i, j: s * jnp.where(h < n, c[0], 1.0),
+        lambda a, s, b, h, i, j: s + jnp.where(b == 0, c[1], 0.0) + jnp.where(h == n, 1, h).astype(jnp.float32) * 0.1,
+        lambda a, s, b, h, i, j: s + a["table"][h, jnp.clip(i - j + 8, 0, 15)],
+        lambda a, s, b, h, i, j: s - a["slopes"][h] * jnp.abs(i - j).astype(jnp.float32),
+        lambda a, s, b, h, i, j: jnp.where((i - j) % 3 == 0, s * c[2], s),
+        lambda a, s, b, h, i, j: 3.0 * jnp.tanh(s / 3.0),
+        lambda a, s, b, h, i, j: s + (i // 7 - j // 5).astype(jnp.float32) * 0.05,
+    ]
+    chosen = [pieces[p] for p in rng.choice(len(pieces), size=int(rng.integers(1, 4)), replace=False)]
+    positions = _random_mask(rng, _DOCS)
+    per_head = lambda b, h, i, j: j <= i + jnp.where(h < n, 0, width)
+    mask_mod = [None, positions, per_head, lambda b, h, i, j: positions(b, h, i, j) & per_head(b, h, i, j)][
+        int(rng.integers(4))]
+    with_score = mask_mod is None or bool(rng.integers(3))
+    builtins = dict(causal=bool(rng.integers(2)))
+    if rng.integers(3) == 0:
+        builtins["softcap"] = 4.0
+    arrays = dict(table=jnp.asarray(rng.standard_normal((shape.heads, 16)), jnp.float32),
+                  slopes=jnp.asarray(rng.uniform(0.01, 0.3, shape.heads), jnp.float32))
+
+    def options(a):
+        def score_mod(s, b, h, i, j):
+            for piece in chosen:
+                s = piece(a, s, b, h, i, j)
+            return s
+
+        return dict(score_mod=score_mod if with_score else None, mask_mod=mask_mod, **builtins)
+
+    return arrays, options
+
+
+def random_shape(rng, head_dim: int = 16) -> Shape:
+    seq_q, seq_k = (int(x) for x in rng.choice([33, 40, 70, 97], size=2))
+    return Shape(batch=2, seq_q=seq_q, seq_k=seq_k, heads=4, kv_heads=int(rng.choice([1, 2, 4])), head_dim=head_dim)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_mods(seed):
+    """Random mods (`random_mods`) on the Triton kernels, forward and backward, against the
+    reference: o, lse and the gradients of q, k, v, the table and the slopes, at odd lengths,
+    Tq != Tk, GQA/MQA and rows without keys; float32, and bfloat16 on every third seed."""
+    rng = np.random.default_rng(seed)
+    s = random_shape(rng)
+    dtype = jnp.bfloat16 if seed % 3 == 2 else jnp.float32
+    arrays, options = random_mods(rng, s)
+    got, want = run_both(draw(rng, s, dtype), options, arrays)
+    assert_matches(got, want, dtype)
+
+
+@requires_hopper
+@pytest.mark.parametrize("seed", range(8))
+def test_random_mods_on_auto(seed):
+    """Random mods on the kernels `auto` picks on an H100 (the Hopper kernels where they take
+    the mods, else the Triton kernels), bf16, at Hopper-sized odd lengths."""
+    rng = np.random.default_rng(1000 + seed)
+    s = random_shape(rng, head_dim=64)._replace(seq_q=int(rng.choice([300, 517])), seq_k=int(rng.choice([300, 517])))
+    arrays, options = random_mods(rng, s)
+    got, want = run_both(draw(rng, s, jnp.bfloat16), options, arrays, config=None, backend="auto")
+    assert_matches(got, want, jnp.bfloat16)

@@ -511,6 +511,45 @@ def test_flex_scalar_selects_lower_to_triton_for_sm90(on_hopper):
     lower_for_cuda(loss, q, q, q)
 
 
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_negated_mask_mods_lower_for_sm90(on_hopper, backend):
+    """A mask_mod with a logical not (`~`) of a boolean tile lowers on both backends (Mosaic
+    GPU cannot lower the not itself; the mods' evaluation turns it into an xor with True)."""
+    import flashjax
+
+    q = jax.ShapeDtypeStruct((1, 300, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 517, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = flashjax.flash_attention(q, k, v, backend=backend, mask_mod=lambda b, h, i, j: ~((i - j) % 3 == 0) ^ (j < 40))
+        return jnp.sum(o.astype(jnp.float32))
+
+    lower_for_cuda(loss, q, kv, kv)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_random_mods_lower_for_sm90(on_hopper, backend, seed):
+    """Random mods (`test_flex.random_mods`) and their gradients, the learned arrays' too,
+    lower for sm_90 on the kernels `auto` picks on an H100 (Hopper where they take the mods)
+    and on the Triton kernels, every Triton module verified."""
+    import flashjax
+    from test_flex import random_mods, random_shape
+
+    rng = np.random.default_rng(seed)
+    s = random_shape(rng, head_dim=64)._replace(seq_q=300, seq_k=517)
+    arrays, options = random_mods(rng, s)
+    q = jax.ShapeDtypeStruct((s.batch, s.seq_q, s.heads, s.head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((s.batch, s.seq_k, s.kv_heads, s.head_dim), jnp.bfloat16)
+
+    def loss(q, k, v, arrays):
+        o = flashjax.flash_attention(q, k, v, backend=backend, **options(arrays))
+        return jnp.sum(o.astype(jnp.float32))
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, kv, kv, shapes).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("block", [16, 128])
 def test_block_mask_kernel_lowers_to_triton_for_sm90(fake_h100, block):
     """`flashjax.block_mask`'s GPU builder (a document mask reading a closed-over array) lowers
