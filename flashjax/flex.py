@@ -182,7 +182,13 @@ class Mod:
     @functools.cached_property
     def primitives(self) -> frozenset:
         """The names of the primitives the program computes with (`_computations`)."""
-        return frozenset(eqn.primitive.name for eqn in self._computations())
+        return frozenset(name for name, _ in self.typed_primitives)
+
+    @functools.cached_property
+    def typed_primitives(self) -> frozenset:
+        """(name, dtype name of the first operand) of each primitive the program computes with."""
+        return frozenset((eqn.primitive.name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
+                         for eqn in self._computations())
 
     @functools.cached_property
     def additive(self) -> bool:
@@ -434,12 +440,19 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
     """One equation on the broadcast of its batched operands over the tile `axes` they vary
     along, vmapped over them."""
     extent = _span([(v, own) for v, own in ins if own], axes)
-    batched_values = [_expand(v, own, axes, extent) for v, own in ins if own]
+    if eqn.primitive is lax.select_n_p:
+        # Every operand of a select spans the equation's axes: Mosaic GPU cannot broadcast a
+        # scalar predicate (or case) over a tile implicitly (`where(flags[h], s, 0.5 * s)`).
+        ins = [(v.load() if isinstance(v, _ConstRef) and not v.shape else v, own) for v, own in ins]
+        batched = [True] * len(ins)
+    else:
+        batched = [bool(own) for _, own in ins]
+    batched_values = [_expand(v, own, axes, extent) for (v, own), b in zip(ins, batched) if b]
     run = _with_refs if has_ref else _bind
 
     def one(*values):
         values = iter(values)
-        return tuple(run(eqn, [next(values) if own else v for v, own in ins]))
+        return tuple(run(eqn, [next(values) if b else v for (v, _), b in zip(ins, batched)]))
 
     for _ in axes:
         one = jax.vmap(one)
@@ -456,6 +469,14 @@ def _bind(eqn, ins) -> list:
         # predicate's type (a `where(c, 7, x)` becomes a select of i1 and i32, which Triton
         # rejects on the GPU): the cases enter with their own dtype, strongly typed.
         ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) for v, var in zip(ins[1:], eqn.invars[1:]))]
+    if not subfuns and all(not isinstance(v, jax.core.Tracer) and np.ndim(v) == 0 for v in ins):
+        # A scalar of constants folds here, to a NumPy scalar (a literal in a kernel): Pallas'
+        # Triton lowering has rules that take no constant operand (a negated constant in a
+        # derivative program).
+        with jax.ensure_compile_time_eval():
+            outs = eqn.primitive.bind(*ins, **params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        return [np.asarray(o)[()] for o in outs]
     if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:
         # Mosaic GPU (JAX 0.11.2) cannot lower the not of a boolean tile ("Register bitwidth
         # ... must be divisible by 8, got 2"); an xor with True is the same value.

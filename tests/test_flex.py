@@ -780,6 +780,9 @@ FLEX_OPTIONS = [
     pytest.param(dict(score_mod=lambda s, b, h, i, j: s + jnp.floor(i / 8.0)), ("score_mod uses floor",),
                  id="unlowered-primitive"),
     pytest.param(dict(v_head_dim=128), ("v head_dim 128 > q/k head_dim 64",), id="v-wider-than-qk"),
+    pytest.param(dict(score_mod=lambda s, b, h, i, j: jnp.fmod(s, 8.0)), ("score_mod uses rem",), id="float-rem"),
+    pytest.param(dict(score_mod=lambda s, b, h, i, j: s + jnp.arctan2(i - j, 8.0)), ("score_mod uses atan2",),
+                 id="atan2"),
 ]
 
 
@@ -799,6 +802,21 @@ def test_auto_picks_triton_on_hopper(monkeypatch, options, reasons):
     assert name == "mosaic"
     for reason in reasons:
         assert any(reason in r for r in why), (reason, why)
+
+
+def test_auto_falls_back_to_xla_for_what_no_kernel_lowers(monkeypatch):
+    """A mod with a primitive neither Mosaic GPU nor Pallas' Triton lowering has (erf): on a GPU
+    auto runs the reference (XLA) and explain names both kernels' reasons; without a GPU the
+    Triton kernels run it in interpret mode."""
+    score_mod = lambda s, b, h, i, j: s + jax.lax.erf((i - j).astype(jnp.float32) / 50.0)
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    assert flashjax.explain(q, q, q, score_mod=score_mod).backend == "triton"
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    choice = flashjax.explain(q, q, q, score_mod=score_mod)
+    assert choice.backend == "xla", choice
+    why = dict(choice.passed)
+    assert any("score_mod uses erf" in r for r in why["mosaic"]), why
+    assert any("score_mod uses erf, which Pallas' Triton lowering does not have" in r for r in why["triton"]), why
 
 
 HOPPER_MODS = [
@@ -1162,7 +1180,8 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     are made of, with random built-in options beside them.
 
     score_mod: one to three of a per-head or per-batch choice between Python constants (a
-    scalar `where`), a learned table read at a clipped relative position, learned per-head
+    scalar `where`), a per-head choice by a closed-over bool array, a square root of the
+    score's magnitude, a learned table read at a clipped relative position, learned per-head
     slopes times a distance, a select on the positions, a tanh cap and integer arithmetic
     on the positions. mask_mod: a random program over positions (`_random_mask`), a
     per-head window made of constants, or both. Every choice is drawn here, so that each
@@ -1172,8 +1191,11 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     n = int(rng.integers(1, shape.heads))
     c = [round(float(x), 3) for x in rng.uniform(0.3, 1.7, 3)]
     width = int(rng.integers(3, 40))
+    flags = jnp.asarray(rng.integers(2, size=shape.heads).astype(bool))
     pieces = [
         lambda a, s, b, h, i, j: s * jnp.where(h < n, c[0], 1.0),
+        lambda a, s, b, h, i, j: jnp.where(flags[h], s, 0.5 * s),
+        lambda a, s, b, h, i, j: jnp.sqrt(jnp.abs(s) + 1.0),
         lambda a, s, b, h, i, j: s + jnp.where(b == 0, c[1], 0.0) + jnp.where(h == n, 1, h).astype(jnp.float32) * 0.1,
         lambda a, s, b, h, i, j: s + a["table"][h, jnp.clip(i - j + 8, 0, 15)],
         lambda a, s, b, h, i, j: s - a["slopes"][h] * jnp.abs(i - j).astype(jnp.float32),

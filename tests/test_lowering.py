@@ -511,20 +511,42 @@ def test_flex_scalar_selects_lower_to_triton_for_sm90(on_hopper):
     lower_for_cuda(loss, q, q, q)
 
 
-@pytest.mark.parametrize("backend", ["mosaic", "triton"])
-def test_negated_mask_mods_lower_for_sm90(on_hopper, backend):
-    """A mask_mod with a logical not (`~`) of a boolean tile lowers on both backends (Mosaic
-    GPU cannot lower the not itself; the mods' evaluation turns it into an xor with True)."""
+_FLAGS = jnp.array([True, False, True, True])
+# Mods whose lowering once failed on one backend (each note says how), forward and backward.
+USER_MODS = {
+    # Mosaic GPU: a logical not of a boolean tile ("Register bitwidth ... got 2").
+    "negated-mask": dict(mask_mod=lambda b, h, i, j: ~((i - j) % 3 == 0) ^ (j < 40)),
+    # Mosaic GPU: a scalar predicate over tile cases ("Implicit broadcast not implemented").
+    "scalar-flag-score": dict(score_mod=lambda s, b, h, i, j: jnp.where(_FLAGS[h], s, s * 0.5)),
+    "scalar-choice-mask": dict(mask_mod=lambda b, h, i, j: jnp.where(h < 2, i >= j, True)),
+    # Triton: a negated constant in the derivative program (no rule takes a constant).
+    "sqrt-of-magnitude": dict(score_mod=lambda s, b, h, i, j: jnp.sqrt(jnp.abs(s) + 1.0)),
+    "power": dict(score_mod=lambda s, b, h, i, j: jnp.power(jnp.abs(s) + 1.0, 1.5)),
+    # Neither backend: erf (auto takes the reference), float % and atan2 (Triton only).
+    "erf": dict(score_mod=lambda s, b, h, i, j: s + jax.lax.erf((i - j).astype(jnp.float32) / 50.0)),
+    "float-rem": dict(score_mod=lambda s, b, h, i, j: jnp.fmod(s, 8.0)),
+    "atan2": dict(score_mod=lambda s, b, h, i, j: s + jnp.arctan2(i - j, 8.0)),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "mosaic", "triton"])
+@pytest.mark.parametrize("name", list(USER_MODS))
+def test_user_mods_lower_for_sm90(on_hopper, name, backend):
+    """Mods lower for sm_90 forward and backward, each Triton module verified, or the named
+    backend refuses them up front with its reason: never a failure inside the lowering."""
     import flashjax
 
     q = jax.ShapeDtypeStruct((1, 300, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 517, 2, 64), jnp.bfloat16)
 
     def loss(q, k, v):
-        o = flashjax.flash_attention(q, k, v, backend=backend, mask_mod=lambda b, h, i, j: ~((i - j) % 3 == 0) ^ (j < 40))
+        o = flashjax.flash_attention(q, k, v, backend=backend, causal=True, **USER_MODS[name])
         return jnp.sum(o.astype(jnp.float32))
 
-    lower_for_cuda(loss, q, kv, kv)
+    try:
+        lower_for_cuda(loss, q, kv, kv)
+    except NotImplementedError as e:
+        assert backend != "auto" and f"backend={backend!r}" in str(e) and "cannot run this call" in str(e), e
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -71,6 +71,23 @@ def _lowered_primitives() -> frozenset:
     return frozenset(primitive.name for primitive in rules)
 
 
+# Primitives with a Mosaic GPU lowering rule that still fail on a tile in the wgmma layout
+# (JAX 0.11.2): no layout inference rule for math.erf / math.atan2, no floating-point % on
+# a FragmentedArray. None: every dtype.
+_UNLOWERED_ON_TILES = {"erf": None, "atan2": None, "rem": ("bfloat16", "float16", "float32")}
+
+
+def _unlowered(mod: flex.Mod) -> list[str]:
+    """The primitives of `mod` Mosaic GPU does not lower on a score tile."""
+    missing = set(mod.primitives - _lowered_primitives())
+    for name, dtype in mod.typed_primitives:
+        if name in _UNLOWERED_ON_TILES:
+            dtypes = _UNLOWERED_ON_TILES[name]
+            if dtypes is None or dtype in dtypes:
+                missing.add(name)
+    return sorted(missing)
+
+
 def _mod_reasons(call: Call) -> list[str]:
     """Why the kernels cannot evaluate the call's score_mod / mask_mod on a wgmma score tile:
     a closed-over array read at a position-dependent index (a gather per row, column or
@@ -91,7 +108,7 @@ def _mod_reasons(call: Call) -> list[str]:
                                f"depends on q_idx, kv_idx or the score, and {why} (the Triton kernels gather)")
                 continue
             mod = split
-        missing = sorted(mod.primitives - _lowered_primitives())
+        missing = _unlowered(mod)
         if missing:
             reasons.append(f"{name} uses {', '.join(missing)}, which Mosaic GPU does not lower")
     return reasons

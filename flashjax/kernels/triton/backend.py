@@ -10,6 +10,7 @@ and dropped; in the backward their logsumexp is +inf, so they contribute nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -32,7 +33,21 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
     if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"head_dim {max(call.head_dim, call.v_head_dim or 0)} > {MAX_HEAD_DIM}")
+    if call.platform == "gpu":  # interpret mode evaluates any primitive
+        for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+            missing = sorted(mod.primitives - _lowered_primitives()) if mod is not None else ()
+            if missing:
+                reasons.append(f"{name} uses {', '.join(missing)}, which Pallas' Triton lowering does not have")
     return reasons
+
+
+@functools.cache
+def _lowered_primitives() -> frozenset:
+    """The primitives Pallas' Triton lowering has a rule for, and `not` (the mods' evaluation
+    computes it as an xor); read once, when the first call with a mod asks."""
+    from jax._src.pallas.triton import lowering
+
+    return frozenset(primitive.name for primitive in lowering.triton_lowering_rules) | {"not"}
 
 
 def declines(call: Call) -> list[str]:
