@@ -810,6 +810,7 @@ def test_auto_falls_back_to_xla_for_what_no_kernel_lowers(monkeypatch):
     Triton kernels run it in interpret mode."""
     score_mod = lambda s, b, h, i, j: s + jax.lax.erf((i - j).astype(jnp.float32) / 50.0)
     q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    monkeypatch.setattr(backends, "describe_device", lambda: ("cpu", ""))
     assert flashjax.explain(q, q, q, score_mod=score_mod).backend == "triton"
     monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
     choice = flashjax.explain(q, q, q, score_mod=score_mod)
