@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import check_close, check_lse
 
-from test_variants import SMALL_TILES, Shape, _params
+from test_variants import SMALL_TILES, Shape, _params, packed_ids
 
 import flashjax
 from flashjax import api, backends, flex, mods, reference
@@ -1185,9 +1185,10 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     score's magnitude, a learned table read at a clipped relative position, learned per-head
     slopes times a distance, a select on the positions, a tanh cap and integer arithmetic
     on the positions. mask_mod: a random program over positions (`_random_mask`), a
-    per-head window made of constants, or both. Every choice is drawn here, so that each
-    trace of the functions is the same program. `arrays` are the learned table and slopes
-    (differentiated by the tests).
+    per-head window made of constants, or both. Built-in options: causal, and at random a
+    softcap, a window, kv lengths, packed documents and sinks. Every choice is drawn here,
+    so that each trace of the functions is the same program. `arrays` are the learned
+    table, slopes and sinks (differentiated by the tests).
     """
     n = int(rng.integers(1, shape.heads))
     c = [round(float(x), 3) for x in rng.uniform(0.3, 1.7, 3)]
@@ -1210,11 +1211,21 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     mask_mod = [None, positions, per_head, lambda b, h, i, j: positions(b, h, i, j) & per_head(b, h, i, j)][
         int(rng.integers(4))]
     with_score = mask_mod is None or bool(rng.integers(3))
-    builtins = dict(causal=bool(rng.integers(2)))
+    causal = bool(rng.integers(2))
+    builtins = dict(causal=causal)
     if rng.integers(3) == 0:
         builtins["softcap"] = 4.0
+    if rng.integers(4) == 0:
+        builtins["window"] = (int(rng.integers(5, 60)), None if causal else int(rng.integers(0, 30)))
+    if rng.integers(4) == 0:
+        builtins["kv_lengths"] = jnp.asarray(rng.integers(1, shape.seq_k + 1, size=shape.batch), jnp.int32)
+    if rng.integers(4) == 0:
+        docs = lambda seq: packed_ids([rng.integers(5, seq // 2, size=2) for _ in range(shape.batch)], seq)
+        builtins["segment_ids"] = docs(shape.seq_q) if shape.seq_q == shape.seq_k else (docs(shape.seq_q), docs(shape.seq_k))
     arrays = dict(table=jnp.asarray(rng.standard_normal((shape.heads, 16)), jnp.float32),
                   slopes=jnp.asarray(rng.uniform(0.01, 0.3, shape.heads), jnp.float32))
+    if rng.integers(4) == 0:
+        arrays["sinks"] = jnp.asarray(rng.normal(0.0, 2.0, shape.heads), jnp.float32)
 
     def options(a):
         def score_mod(s, b, h, i, j):
@@ -1222,7 +1233,7 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
                 s = piece(a, s, b, h, i, j)
             return s
 
-        return dict(score_mod=score_mod if with_score else None, mask_mod=mask_mod, **builtins)
+        return dict(score_mod=score_mod if with_score else None, mask_mod=mask_mod, sinks=a.get("sinks"), **builtins)
 
     return arrays, options
 
