@@ -9,7 +9,7 @@ The groups fit one 10-minute device call each on an H100 with 8 workers. The
 with fewer than 2): give it ``-n 1``, each of its tests uses all the GPUs (the ring's
 took ~4 minutes on 4 H100s).
 
-    python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|multigpu|all] [-n WORKERS] [extra pytest args]
+    python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|properties|multigpu|all] [-n WORKERS] [extra pytest args]
 
 Each pytest worker gets a slice of GPU memory instead of JAX's default 75%; a test that
 hangs is stopped after --timeout seconds (its worker restarts) instead of stalling the run.
@@ -30,6 +30,7 @@ GROUPS = {
     "grads": ["tests/test_attention.py", "tests/test_grad.py"],
     "flax": ["tests/test_flax.py"],
     "decode": ["tests/test_decode.py", "tests/test_flex.py"],
+    "properties": ["tests/test_properties.py"],
     # The ring and batch/head sharding over every visible GPU (each test uses all of them:
     # run the group with -n 1).
     "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus"],
