@@ -511,6 +511,23 @@ def test_flex_scalar_selects_lower_to_triton_for_sm90(on_hopper):
     lower_for_cuda(loss, q, q, q)
 
 
+@pytest.mark.parametrize("bias_shape", [(45,), (1, 1, 1, 45), (2, 1, 1, 45)])
+def test_bias_gradient_of_one_query_tile_lowers_to_triton_for_sm90(on_hopper, bias_shape):
+    """dbias of a bias broadcast over the queries, with one query tile (a decoding step): the
+    dbias kernel's tile indices are then static (it once marked the constant 0 with
+    pl.multiple_of, which Triton's lowering rejects)."""
+    import flashjax
+
+    q = jax.ShapeDtypeStruct((2, 1, 1, 32), jnp.float16)
+    kv = jax.ShapeDtypeStruct((2, 45, 1, 32), jnp.float16)
+
+    def loss(q, k, v, bias):
+        return jnp.sum(flashjax.flash_attention(q, k, v, bias=bias, backend="triton").astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    grad.trace(q, kv, kv, jax.ShapeDtypeStruct(bias_shape, jnp.float16)).lower(lowering_platforms=("cuda",))
+
+
 _FLAGS = jnp.array([True, False, True, True])
 # Mods whose lowering once failed on one backend (each note says how), forward and backward.
 USER_MODS = {

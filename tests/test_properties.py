@@ -581,7 +581,8 @@ def _jax_nn_forward(q, k, v, arrays, static):
         kv_lengths=arrays.get("kv_lengths"), mask=arrays.get("mask"),
     )
     up = lambda x: x.astype(jnp.float32)
-    o = jax.nn.dot_product_attention(up(q), up(k), up(v), mask=mask, implementation="xla")
+    with jax.default_matmul_precision("highest"):  # float32 products (a GPU's default is TF32)
+        o = jax.nn.dot_product_attention(up(q), up(k), up(v), mask=mask, implementation="xla")
     _, lse = reference.attention(up(q), up(k), up(v), return_lse=True, **arrays, **static)
     return o, lse
 
@@ -708,7 +709,8 @@ def test_row_of_minus_inf_logits_is_a_row_without_keys(backend):
     q, k, v = (rng.standard_normal((1, n, 1, 16)).astype(np.float32) for n in (4, 3, 3))
     k[..., 0] = np.abs(k[..., 0]) + 0.1
     q[0, 0, 0, 0] = -np.inf
-    nn = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla"))
+    with jax.default_matmul_precision("highest"):  # float32 products (a GPU's default is TF32)
+        nn = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla"))
     assert np.isnan(nn[0, 0]).all() and np.isfinite(nn[0, 1:]).all()
     o, lse = flashjax.flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), backend=backend, return_lse=True)
     np.testing.assert_array_equal(np.asarray(o)[0, 0], 0.0)

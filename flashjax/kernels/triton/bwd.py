@@ -207,8 +207,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, db
         h = h if bias_heads == 1 else own_bh % bias_heads
         qi = qi if bias_q == 1 else own_q
         ki = ki if bias_k == 1 else own_k
-        q_start = pl.multiple_of(qi * block_q, block_q)
-        k_start = pl.multiple_of(ki * block_k, block_k)
+        q_start, k_start = _tile_start(qi, block_q), _tile_start(ki, block_k)
         q_tile, k_tile = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
         rows = q_start + jnp.arange(block_q, dtype=jnp.int32)[:, None]
         cols = k_start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
@@ -241,6 +240,13 @@ def _kv_length(ranges, b, qi):
     if ranges is None:
         return None
     return ranges[b, 0, qi, masks.KV_LENGTH] if len(ranges.shape) == 4 else ranges[b, qi, masks.KV_LENGTH]
+
+
+def _tile_start(index, block: int):
+    """index * block, marked a multiple of `block` for Triton where traced: a static index
+    (`divmod_` by 1) gives a constant, which `pl.multiple_of` cannot mark on the GPU."""
+    start = index * block
+    return start if isinstance(start, int) else pl.multiple_of(start, block)
 
 
 def divmod_(a, b: int):
