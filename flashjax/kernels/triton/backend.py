@@ -43,11 +43,11 @@ def supports(call: Call) -> list[str]:
 
 @functools.cache
 def _lowered_primitives() -> frozenset:
-    """The primitives Pallas' Triton lowering has a rule for, and `not` (the mods' evaluation
-    computes it as an xor); read once, when the first call with a mod asks."""
+    """The primitives Pallas' Triton lowering has a rule for; read once, when the first call
+    with a mod asks."""
     from jax._src.pallas.triton import lowering
 
-    return frozenset(primitive.name for primitive in lowering.triton_lowering_rules) | {"not"}
+    return frozenset(primitive.name for primitive in lowering.triton_lowering_rules)
 
 
 def declines(call: Call) -> list[str]:
