@@ -12,11 +12,15 @@ dS = P * (dP - delta), dP = dO V^T.
   warpgroup streams Q, dO, lse and delta tiles through a ring. GQA: the walk runs
   over every query head of the kv head's group, so dK/dV are written once per kv
   head (no per-query-head copies to sum). Works transposed (S^T = K Q^T) so that
-  dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers.
+  dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers. A step issues
+  S^T and dP^T together and computes P^T while dP^T is on the tensor cores, then
+  issues dV and dK as one group (FlashAttention-3's order: one wait fewer per step
+  than S^T, then dV with dP^T, then dK).
 * dQ: one CTA per (query head, pair of query tiles, batch row), the forward's
   structure: each consumer keeps Q, dO, lse, delta of its tile and walks the
-  key tiles it sees, streamed by the producer. No atomics: every dQ row is
-  summed by one warpgroup in a fixed order, so results are bit-reproducible.
+  key tiles it sees, streamed by the producer; S and dP issued together, as in
+  the dK/dV kernel. No atomics: every dQ row is summed by one warpgroup in a fixed
+  order, so results are bit-reproducible.
 
 Tile ranges come from `MaskSpec.q_range` / `kv_range`: tiles that see nothing are
 never loaded, and only the boundary tiles (the causal diagonal, the last partial
@@ -56,21 +60,20 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _probs_t(i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
+def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
              kv_seg=None, stream=None, bias_t=None, mod=None):
-    """P^T of query tile i against the key tile (float32 [block_kv, block_q], keys [k_start, ...)):
-    S^T = K Q^T, the logits, the mask on boundary tiles, exp2 against the lse in ring `slot`
-    (smem as `_dv_and_ds` takes it). Returns (P^T, d logits / d s for `_ds_t` (None without
-    a softcap or score_mod), dropout's keep bits (None without dropout)).
+    """P^T of query tile i against the key tile from S^T = K Q^T (float32 [block_kv, block_q],
+    keys [k_start, ...)): the logits, the mask on boundary tiles, exp2 against the lse in ring
+    `slot` (smem as `_dv_and_ds` takes it). Returns (P^T, d logits / d s for `_ds_t` (None
+    without a softcap or score_mod), dropout's keep bits (None without dropout)).
 
     `slope` is the query head's ALiBi slope, `kv_length` the batch row's kv length (with
     ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
     tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
     `mod` the query head's `common.ModInputs` (with score_mod or mask_mod), `stream` the
     query head's dropout stream."""
-    k_smem, _, q_smem, _, lse_smem, _ = smem
-    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-    s_t = common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (block_kv, block_q))  # S^T = K Q^T
+    lse_smem = smem[4]
+    block_q = smem[2].shape[1]
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=i * block_q, k_start=k_start, transposed=True,
                                    bias=bias_t, mod=mod, grad=True)
     if masked:
@@ -84,6 +87,12 @@ def _probs_t(i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_
     return p_t, dlogits_t, keep_t
 
 
+def _scores_t(slot, smem):
+    """S^T = K Q^T of the query tile in ring `slot`, waited for (float32 [block_kv, block_q])."""
+    k_smem, _, q_smem = smem[:3]
+    return common.product(k_smem, q_smem.at[slot].transpose((1, 0)), (k_smem.shape[0], q_smem.shape[1]))
+
+
 def _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t: Tiling):
     """dS^T = P^T (dP^T - delta) (dP^T through dropout's keep mask), carried through the
     softcap and score_mod: d loss / d (scale * q.k); the scale enters dK and dQ once, at the end."""
@@ -93,25 +102,36 @@ def _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t: Tiling):
     return common.logit_grad(ds_t, dlogits_t, t)
 
 
-def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
-    """One query tile of a key tile's walk, up to dS: S^T = K Q^T, P^T (`_probs_t`, which
-    takes `scoring`), dV += P^T dO and dP^T = V dO^T, then dS^T (`_ds_t`). With dropout dV
-    takes the dropped weights and dP^T passes back through the same keep mask.
+def _dv_and_ds(i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """One query tile of a key tile's walk, up to dS: S^T = K Q^T and dP^T = V dO^T issued
+    together, P^T (`_probs_t`, which takes `scoring`) while dP^T is still on the tensor cores,
+    then dS^T (`_ds_t`) and dV += P^T dO, left in flight for the caller to wait on with its dK
+    product. With dropout dV takes the dropped weights and dP^T passes back through the same
+    keep mask.
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
-    query tile i. Returns dv and dS^T, float32 [block_kv, block_q]."""
+    query tile i. Returns (dS^T float32 [block_kv, block_q], a function that takes the dV
+    accumulator's ref and issues dV += P^T dO)."""
     k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
-    p_t, dlogits_t, keep_t = _probs_t(i, slot, smem, k_start=k_start, masked=masked, t=t, **scoring)
 
-    def dv_dp(refs):
-        # One block for both products: a single wgmma wait.
-        dv_ref, dp_ref = refs
-        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])  # dV += P^T dO
+    def scores_and_dp(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, k_smem, q_smem.at[slot].transpose((1, 0)))  # S^T = K Q^T
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+        s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+        probs = _probs_t(s_t, i, slot, smem, k_start=k_start, masked=masked, t=t, **scoring)
+        return probs, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
 
-    dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
-    return dv, _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
+    shape = (block_kv, block_q)
+    (p_t, dlogits_t, keep_t), dp_t = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
+                                                   plgpu.ACC(shape, jnp.float32))
+    ds_t = _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
+    p16 = common.drop(p_t, t, keep_t).astype(q_smem.dtype)
+
+    def dv_product(dv_ref):
+        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])  # dV += P^T dO
+
+    return ds_t, dv_product
 
 
 def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t: Tiling, **scoring):
@@ -119,7 +139,8 @@ def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t
     d logits / d s into `pd_smem[slot]` (the inputs' dtype) for the dK consumer, arriving
     on `pd_ready[slot]`; then dV += P^T dO (dropped weights with dropout)."""
     q_smem, do_smem = smem[2], smem[3]
-    p_t, dlogits_t, keep_t = _probs_t(i, slot, smem, k_start=k_start, masked=masked, t=t, **scoring)
+    p_t, dlogits_t, keep_t = _probs_t(_scores_t(slot, smem), i, slot, smem, k_start=k_start, masked=masked, t=t,
+                                      **scoring)
     pd_smem[slot] = common.logit_grad(p_t, dlogits_t, t).astype(pd_smem.dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(pd_ready.at[slot])
@@ -245,12 +266,15 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                     carry = _dv_and_pd(carry, i, slot, smem, pd_smem, pd_ready, **scoring)
                 else:
                     dk, dv = carry
-                    dv, ds_t = _dv_and_ds(dv, i, slot, smem, **scoring)
+                    ds_t, dv_product = _dv_and_ds(i, slot, smem, **scoring)
 
-                    def dk_(acc_ref):
-                        plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
+                    def dk_dv(refs):
+                        # One wgmma group: a single wait for both accumulators.
+                        dk_ref, dv_ref = refs
+                        dv_product(dv_ref)
+                        plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
 
-                    carry = pl.run_state(dk_)(plgpu.ACC.init(dk)), dv
+                    carry = pl.run_state(dk_dv)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
                 plgpu.barrier_arrive(free.at[slot])
                 return carry
 
@@ -417,18 +441,26 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 plgpu.barrier_wait(k_ready.at[slot])
                 kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
-                s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
                 bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
-                s, dlogits = common.logits(s, t, slope=slope, q_start=q_start, k_start=j * block_kv, bias=bias, mod=mod,
-                                           grad=True)
-                if masked:
-                    s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
-                                         kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
-                # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
-                p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
-                plgpu.barrier_wait(v_ready.at[v_slot])
 
-                dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
+                def scores_and_dp(s_ref, dp_ref):
+                    # S and dP issued together: the softmax of S runs while dP is on the tensor cores.
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))  # S = Q K^T
+                    plgpu.barrier_wait(v_ready.at[v_slot])
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[v_slot].transpose((1, 0)))  # dP = dO V^T
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                    s, dlogits = common.logits(s, t, slope=slope, q_start=q_start, k_start=j * block_kv, bias=bias,
+                                               mod=mod, grad=True)
+                    if masked:
+                        s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
+                                             kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
+                    # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
+                    p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
+                    return p, dlogits, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+                shape = (block_q, block_kv)
+                p, dlogits, dp = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
+                                               plgpu.ACC(shape, jnp.float32))
                 plgpu.barrier_arrive(v_free.at[v_slot])
                 if stream is not None:
                     dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
@@ -496,3 +528,5 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     return common.launch(
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
     )(q, k, v, do, lse2, delta, *optional.inputs(t, pairs=True))
+
+
