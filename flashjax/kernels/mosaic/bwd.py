@@ -36,6 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, loop
+from flashjax.masks import BlockRange
 
 
 def _store_grads(grads, smems, dsts):
@@ -529,4 +530,222 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
     )(q, k, v, do, lse2, delta, *optional.inputs(t, pairs=True))
 
+def fused_dq_takes(t: Tiling) -> bool:
+    """Whether `dkv_dq` runs tiling `t`: it takes none of the optional inputs (ALiBi, the
+    ranges of lengths and segments, a bias, dropout, the user functions), which the
+    two-kernel backward (dkv + dq) takes."""
+    return not (t.alibi or t.ranges or t.bias or t.dropout_rate or t.score_mod or t.mask_mod)
 
+
+def dkv_dq(q, k, v, do, lse2, delta, t: Tiling):
+    """dK, dV [B, Tkp, Hkv, D] in k's dtype and dQ / scale [B, Tqp, H, D] in float32, in one pass.
+
+    The dK/dV kernel's walk (one CTA per pair of `block_kv` key tiles) with
+    FlashAttention-3's dQ: each step also forms dQ_i = dS_i K for the pair's keys
+    and adds it into a float32 dQ in global memory, so S and dP are computed once
+    (5 matrix products per tile pair instead of the 7 of dkv + dq).
+
+    * A step in FlashAttention-3's order: S^T and dP^T issued together (the softmax
+      runs while dP^T is on the tensor cores), dS^T; dV += P^T dO issued while the
+      consumers exchange their dS^T halves in shared memory; then dQ and dK += dS^T Q,
+      and dQ's tile goes to shared memory while the dK product runs. Consumer w
+      computes columns [64 w, 64 w + 64) of dQ_i over the pair's 2 * block_kv keys
+      (a 64-row, 64-column accumulator).
+    * The producer warpgroup, besides streaming Q, dO, lse and delta, writes those dQ
+      tiles out with TMA: the first key pair stores, the others reduce-add.
+    * Deterministic: the adds into a query tile happen in a fixed key-pair order
+      (ascending; causal: descending from the diagonal). A pair waits on a global
+      semaphore per (batch, head, query tile) until the pairs before it have added
+      theirs, adds, waits for the add to land, then signals. Pairs only wait on
+      pairs the GPU launched before them.
+
+    The two consumers step through the same query tiles in lockstep (they share each
+    step's dS^T); a tile outside one consumer's own range is computed fully masked.
+    Causal: a query tile that sees none of the pair's keys is never visited, so its
+    contributors are a prefix of the pairs. Rows that see no key at all (Tq > Tk) are
+    visited by nobody; the caller zeroes them.
+    """
+    batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
+    block_q, block_kv = t.block_q, t.block_kv
+    pair = COMPUTE_WGS * block_kv
+    assert fused_dq_takes(t), "ALiBi, lengths, segments, a bias and dropout run on the two-kernel backward (dkv + dq)"
+    assert q_len % block_q == 0 and k_len % pair == 0, (q.shape, k.shape, t)
+    assert head_dim % (COMPUTE_WGS * 64) == 0, head_dim  # dQ columns split in whole 64-wide swizzle tiles
+    dq_cols = head_dim // COMPUTE_WGS
+    n_q = q_len // block_q
+    offset = t.spec.offset
+
+    def q_tiles(k_block):
+        return t.spec.q_range(k_block, block_q, block_kv, n_q)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped):
+        b = lax.axis_index("batch")
+        hk = lax.axis_index("heads")
+        smem, ready, (free, ds_ready, kv_done, dq_ready, dq_free) = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+        kv_ready, q_ready, do_ready, lse_ready, delta_ready = ready
+        n_pairs = k_len // pair
+        # Causal: launch the pairs nearest the diagonal first (see write_dq).
+        n = common.pair_index(n_pairs, longest_first=t.spec.causal)
+        cta_k = n * pair
+        # Without a left window every pair's range ends at the last query tile (the
+        # semaphore order below relies on it).
+        cta_lo, _ = common.hull(q_tiles(n * COMPUTE_WGS), q_tiles(n * COMPUTE_WGS + 1))
+        per_head = n_q - cta_lo  # query tiles visited per query head
+        steps = group * per_head
+        stages = t.stages
+
+        def tile_of(s):
+            """(query head, query tile) of step s."""
+            return hk * group + lax.div(s, per_head), cta_lo + lax.rem(s, per_head)
+
+        def _consumer(wg):
+            k_smem, v_smem = k_smem2.at[pl.ds(wg * block_kv, block_kv)], v_smem2.at[pl.ds(wg * block_kv, block_kv)]
+            k_start = cta_k + wg * block_kv
+            tiles = q_tiles(n * COMPUTE_WGS + wg)
+            at = (b, pl.ds(k_start, block_kv), hk)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem, kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem, kv_ready.at[COMPUTE_WGS + wg])
+            for i in range(2 * COMPUTE_WGS):
+                plgpu.barrier_wait(kv_ready.at[i])  # dQ needs the other consumer's K too
+
+            def step(s, i, carry, masked: bool):
+                dk, dv = carry
+                slot, buf = lax.rem(s, stages), lax.rem(s, 2)
+                for ready_ in (q_ready, do_ready, lse_ready, delta_ready):
+                    plgpu.barrier_wait(ready_.at[slot])
+
+                smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+                ds_t, dv_product = _dv_and_ds(i, slot, smem, k_start=k_start, masked=masked, t=t)
+                ds_t = ds_t.astype(dtype)
+                # Both halves of dS^T into shared memory (double-buffered by step parity):
+                # each consumer's dQ columns need both. Buffer `buf` was last read by both
+                # consumers' dQ products of step s - 2, which both waited for before the
+                # ds_ready barrier of step s - 1.
+                ds_smem[buf, pl.ds(wg * block_kv, block_kv)] = ds_t
+                plgpu.commit_smem()
+
+                def products(refs):
+                    dk_ref, dv_ref = refs
+                    dv_product(dv_ref)  # dV += P^T dO runs while the consumers meet at the barrier
+                    plgpu.barrier_arrive(ds_ready)
+                    plgpu.barrier_wait(ds_ready)
+
+                    def dq_and_dk(dq_acc_ref):
+                        # dQ[:, cols] = dS K[:, cols] over both key tiles of the pair.
+                        plgpu.wgmma(dq_acc_ref, ds_smem.at[buf].transpose((1, 0)),
+                                    k_smem2.at[:, pl.ds(wg * dq_cols, dq_cols)])
+                        plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])  # dK += dS^T Q
+                        # dV and dQ done, dK still in flight while dQ goes to shared memory.
+                        dq_part = plgpu.wgmma_accumulator_load(dq_acc_ref, wait_n=1)
+
+                        @pl.when(s >= 2)
+                        def _():
+                            plgpu.barrier_wait(dq_free.at[buf])  # the producer has written out step s - 2
+
+                        dq_smem[buf, wg] = dq_part
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(dq_ready.at[buf])
+
+                    pl.run_scoped(dq_and_dk, plgpu.ACC((block_q, dq_cols), jnp.float32))
+
+                dk, dv = pl.run_state(products)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            # Every step of the CTA's walk, masked outside this tile's fully visible range.
+            walk = BlockRange(cta_lo, tiles.full_lo, tiles.full_hi, n_q)
+
+            def head(g, carry):
+                base = g * per_head - cta_lo  # step of query tile i is base + i
+                return common.visit(walk, lambda i, c, masked: step(base + i, i, c, masked), carry,
+                                    t.spec.q_boundaries(k_len))
+
+            zero = common.zeros((block_kv, head_dim))
+            dk, dv = loop(0, group, head, (zero, zero))
+            # The K tiles are read by both consumers' dQ products until the last step.
+            plgpu.barrier_arrive(kv_done)
+            plgpu.barrier_wait(kv_done)
+            _store_grads((dk * t.scale, dv), (k_smem, v_smem), (dk_ref.at[at], dv_ref.at[at]))
+
+        def _producer():
+            order = pl.get_global(plgpu.SemaphoreType.REGULAR((batch, heads, n_q)))
+
+            def load(s):
+                slot = lax.rem(s, stages)
+                h, i = tile_of(s)
+                rows = pl.ds(i * block_q, block_q)
+                _load_query_tile(
+                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+                    (q_ready, do_ready, lse_ready, delta_ready), slot, b, h, rows,
+                )
+
+            def write_dq(s):
+                buf = lax.rem(s, 2)
+                h, i = tile_of(s)
+                plgpu.barrier_wait(dq_ready.at[buf])
+                turn = order.at[b, h, i]
+                if t.spec.causal:
+                    # Tile i's contributors are the pairs [0, last]. The pair that starts at
+                    # tile i (nearest the diagonal) reaches it first, so they add from last
+                    # down: each waits on a pair launched before it that is already ahead.
+                    last = jnp.minimum(lax.div((i + 1) * block_q - 1 + offset, pair), n_pairs - 1)
+                    place = last - n
+                else:
+                    place = n
+                plgpu.semaphore_wait(turn, place, decrement=False, memory_scope="gpu")
+                first = place == 0
+                for w in range(COMPUTE_WGS):
+                    dst = dq_ref.at[b, pl.ds(i * block_q, block_q), h, pl.ds(w * dq_cols, dq_cols)]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[buf, w], dst, predicate=first, commit_group=False)
+                    plgpu.copy_smem_to_gmem(dq_smem.at[buf, w], dst, predicate=~first, commit_group=False, reduction_op="add")
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0)  # landed in global memory: the next pair may add
+                plgpu.semaphore_signal(turn, 1, memory_scope="gpu")
+                plgpu.barrier_arrive(dq_free.at[buf])
+
+            for i in range(stages):
+                pl.when(i < steps)(lambda i=i: load(jnp.int32(i)))
+
+            @pl.loop(0, steps)
+            def _(s):
+                @pl.when(s + stages < steps)
+                def _():
+                    plgpu.barrier_wait(free.at[lax.rem(s, stages)])
+                    load(s + stages)
+
+                write_dq(s)
+
+        common.warp_specialized(_consumer, _producer)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref):
+        tiles = common.smem_tiles()
+        st = t.stages
+        smem = (
+            plgpu.SMEM((pair, head_dim), dtype, transforms=tiles),  # K in, dK out
+            plgpu.SMEM((pair, head_dim), dtype, transforms=tiles),  # V in, dV out
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q, head_dim), dtype, transforms=tiles),
+            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((st, block_q), jnp.float32),
+            plgpu.SMEM((2, pair, block_q), dtype, transforms=tiles),  # dS^T of both consumers, two steps
+            plgpu.SMEM((2, COMPUTE_WGS, block_q, dq_cols), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        )
+        ready = (plgpu.Barrier(num_barriers=2 * COMPUTE_WGS),) + (plgpu.Barrier(num_barriers=st),) * 4
+        sync = (
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st),  # free: Q/dO slot consumed
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # ds_ready: both dS^T halves written
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # kv_done: both consumers' last dQ product has read K
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=2),  # dq_ready
+            plgpu.Barrier(num_barriers=2),  # dq_free
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, scoped),
+            smem, ready, sync, collective_axes="wg",
+        )
+
+    return common.launch(
+        entry, out_type=(k, v, common.out_shape(q, jnp.float32)), pairs=k_len // pair, heads=kv_heads,
+        batch=batch, kernel_name="flashjax_mosaic_dkv_dq",
+    )(q, k, v, do, lse2, delta)
