@@ -134,9 +134,6 @@ MOSAIC_CASES = [
     pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
     pytest.param(4, 4, 96, True, {}, ("fwd", "dkv", "dq"), id="d96-causal"),
-    # The fused backward (dK, dV and dQ in one kernel, dQ added into float32).
-    pytest.param(4, 2, 128, False, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d128-accumulate"),
-    pytest.param(4, 4, 96, True, {"bwd_dq": "accumulate"}, ("fwd", "dkv_dq"), id="d96-causal-accumulate"),
     # Windows and the softcap (`common.logits`).
     pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window"),
     pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
@@ -259,7 +256,7 @@ def test_mosaic_kernels_lower_for_sm90(request, fake_h100, heads, kv_heads, head
     extras = MOSAIC_EXTRAS.get(request.node.callspec.id, Extras())
     text = lower_attention_for_cuda(params, q, kv, extras)
     assert text.count(MOSAIC_CALL) == len(kernels), f"expected {len(kernels)} Mosaic GPU kernels, found {text.count(MOSAIC_CALL)}"
-    names = set(re.findall(r"flashjax_mosaic_(fwd|dkv_dq|dkv|dq)\b", text))
+    names = set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text))
     assert names == set(kernels), names
     # The glue pads both lengths to whole tiles (at most 256 rows); padded lengths count too.
     q_lens = {SEQ_Q} | {-(-SEQ_Q // m) * m for m in (64, 128, 256)}

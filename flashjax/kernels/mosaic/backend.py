@@ -302,9 +302,8 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
             tiles["fwd"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len)
         if params.backward_backend == BACKEND.name and isinstance(params.backward_config, MosaicConfig):
             bt = _backward_tilings(q, k, v, extras, params, params.backward_config)
-            if not bt.accumulate:
-                tiles["dkv"] = _tile_inputs(extras, bt.dkv, batch, seq_q, seq_k, bt.q_len, bt.k_len, by_key_block=True)
-                tiles["dq"] = _tile_inputs(extras, bt.dq, batch, seq_q, seq_k, bt.q_len, bt.k_len)
+            tiles["dkv"] = _tile_inputs(extras, bt.dkv, batch, seq_q, seq_k, bt.q_len, bt.k_len, by_key_block=True)
+            tiles["dq"] = _tile_inputs(extras, bt.dq, batch, seq_q, seq_k, bt.q_len, bt.k_len)
     return extras._replace(tile_inputs=tiles)
 
 
@@ -376,14 +375,13 @@ def forward_ctas(config: MosaicConfig, t: Tiling, shape: tuple[int, int, int], d
 
 class BackwardTilings(NamedTuple):
     """How the backward runs a call: the dK/dV kernel's tiling (and whether its consumers
-    split a key tile's dK and dV, `mosaic_bwd.dkv`), the dQ kernel's, the padded query and
-    key lengths, and whether the fused "accumulate" kernel runs instead of the two."""
+    split a key tile's dK and dV, `mosaic_bwd.dkv`), the dQ kernel's, and the padded query
+    and key lengths."""
 
     dkv: Tiling
     dq: Tiling
     q_len: int
     k_len: int
-    accumulate: bool
     split: bool
 
 
@@ -419,10 +417,6 @@ def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: 
     dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
     block_q, block_kv = config.backward_block_q(_dense(params, extras)), config.bwd_block_kv
     t = dataclasses.replace(_tiling(params, extras, seq_q, seq_k, block_q, block_kv, config.bwd_stages), sinks=False)
-    # "accumulate" needs 128 dQ columns, two 64-wide halves (one per consumer), every key
-    # tile's query range to end at the last query tile (no window), and no optional inputs.
-    accumulate = (config.bwd_dq == "accumulate" and dim == v_dim == 128 and params.window is None
-                  and mosaic_bwd.fused_dq_takes(t))
     split = dim + v_dim > SPLIT_ABOVE_HEAD_DIM_SUM
     cta_keys = block_kv if split else COMPUTE_WGS * block_kv  # the key tiles of one dK/dV CTA
     dq_block_kv = min(config.dq_block_kv, common.round_up(seq_k, 64))
@@ -431,14 +425,11 @@ def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: 
         dq_block_kv = min(dq_block_kv, 64)
     dq_block_kv, dq_stages, dq_v_stages = _dq_tile(dim, v_dim, block_q, dq_block_kv, config.bwd_stages, t,
                                                     q.dtype.itemsize)
-    if accumulate:
-        q_len, k_len = common.round_up(seq_q, block_q), common.round_up(seq_k, cta_keys)
-    else:
-        # The dQ kernel takes query tiles in pairs.
-        q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
-        k_len = common.round_up(seq_k, math.lcm(cta_keys, dq_block_kv))
+    # The dQ kernel takes query tiles in pairs.
+    q_len = common.round_up(seq_q, COMPUTE_WGS * block_q)
+    k_len = common.round_up(seq_k, math.lcm(cta_keys, dq_block_kv))
     t_dq = dataclasses.replace(t, block_kv=dq_block_kv, stages=dq_stages, v_stages=dq_v_stages)
-    return BackwardTilings(t, t_dq, q_len, k_len, accumulate, split)
+    return BackwardTilings(t, t_dq, q_len, k_len, split)
 
 
 def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
@@ -467,27 +458,17 @@ def backward(q, k, v, o, lse, do, dlse, extras: Extras, params: AttentionParams,
     extras = prepare(q, k, v, extras, params, config)
     seq_q, seq_k, head_dim, v_head_dim = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     dim, v_dim = padded_head_dim(head_dim), padded_head_dim(v_head_dim)
-    t, t_dq, q_len, k_len, accumulate, split = _backward_tilings(q, k, v, extras, params, config)
+    t, t_dq, q_len, k_len, split = _backward_tilings(q, k, v, extras, params, config)
     lse2, delta = common.backward_rows(o, do, lse, dlse, q_len)
     pad = common.pad_tokens
     qp, dop = pad(q, q_len, dim), pad(do.astype(q.dtype), q_len, v_dim)
     kp, vp = pad(k, k_len, dim), pad(v, k_len, v_dim)
-    if accumulate:
-        dk, dv, dq = mosaic_bwd.dkv_dq(qp, kp, vp, dop, lse2, delta, t)
-        dq = dq[:, :seq_q, :, :head_dim]
-        if params.causal and seq_q > seq_k:
-            # Rows that see no key (bottom-right alignment) are visited by no key tile:
-            # their dQ was never written.
-            sees_a_key = jnp.arange(seq_q) + (seq_k - seq_q) >= 0
-            dq = jnp.where(sees_a_key[None, :, None, None], dq, 0.0)
-        dq = (dq * params.scale).astype(q.dtype)
-    else:
-        dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
-                                _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True,
-                                          kernel="dkv"), split=split)
-        dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
-                           _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="dq"))
-        dq = dq[:, :seq_q, :, :head_dim]
+    dk, dv = mosaic_bwd.dkv(qp, kp, vp, dop, lse2, delta, t,
+                            _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, by_key_block=True,
+                                      kernel="dkv"), split=split)
+    dq = mosaic_bwd.dq(qp, kp, vp, dop, lse2, delta, t_dq,
+                       _optional(extras, t_dq, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="dq"))
+    dq = dq[:, :seq_q, :, :head_dim]
     dbias = score_consts = dsinks = None
     if extras.bias is not None:
         dbias = triton_backend.bias_gradient(q, k, v, o, lse, do, dlse, extras, params)

@@ -16,7 +16,6 @@ DTYPES = ("bfloat16", "float16")
 # wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
 HEAD_DIMS = (64, 128, 192, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")
-BWD_DQ = ("recompute", "accumulate")
 
 
 def device_reasons(platform: str, compute_capability: str, dtype, what: str = "inputs") -> list[str]:
@@ -77,12 +76,6 @@ class MosaicConfig:
         (`backend.forward_ctas`). On an H100 at head dims 64 and 128 the persistent forward
         measured 1.01-1.19x the per-item grid from 1k to 8k tokens (causal 1.05-1.19x),
         0.96-0.99x at head dim 64 without a mask from 4k (benchmarks/results/mosaic-notes.md).
-      bwd_dq: how the backward gets dQ (both deterministic). "recompute": a second
-        kernel walks the key tiles of each query tile and recomputes S and dP (7
-        matrix products per tile pair). "accumulate": the dK/dV kernel also forms
-        dQ = dS K and adds it into a float32 dQ in global memory, in an order that
-        semaphores fix (5 products; head dim 128 only, others use "recompute"). The
-        default is the faster on an H100, "recompute".
     """
 
     block_q: int = 64
@@ -95,7 +88,6 @@ class MosaicConfig:
     dq_block_kv: int = 128
     fwd_schedule: str = "auto"
     fwd_persistent: bool = True
-    bwd_dq: str = "recompute"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_q_dense", "bwd_block_kv", "dq_block_kv"):
@@ -108,8 +100,6 @@ class MosaicConfig:
             raise ValueError(f"MosaicConfig.fwd_persistent must be a bool, got {self.fwd_persistent!r}.")
         if self.fwd_schedule not in FWD_SCHEDULES:
             raise ValueError(f"MosaicConfig.fwd_schedule must be one of {FWD_SCHEDULES}, got {self.fwd_schedule!r}.")
-        if self.bwd_dq not in BWD_DQ:
-            raise ValueError(f"MosaicConfig.bwd_dq must be one of {BWD_DQ}, got {self.bwd_dq!r}.")
         for name in ("stages", "bwd_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MosaicConfig.{name} must be >= 1, got {getattr(self, name)}.")
