@@ -12,14 +12,14 @@ dS = P * (dP - delta), dP = dO V^T.
   warpgroup streams Q, dO, lse and delta tiles through a ring. GQA: the walk runs
   over every query head of the kv head's group, so dK/dV are written once per kv
   head (no per-query-head copies to sum). Works transposed (S^T = K Q^T) so that
-  dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers. A step issues
-  S^T and dP^T together and computes P^T while dP^T is on the tensor cores, then
-  issues dV and dK as one group (FlashAttention-3's order: one wait fewer per step
-  than S^T, then dV with dP^T, then dK).
+  dV += P^T dO and dK += dS^T Q take P^T and dS^T from registers. Up to head dim
+  128 a step issues S^T and dP^T together and computes P^T while dP^T is on the
+  tensor cores, then issues dV and dK as one group (FlashAttention-3's order); wider
+  head dims wait for S^T first and issue dP^T with dV (`DP_WITH_S_MAX_DIMS`).
 * dQ: one CTA per (query head, pair of query tiles, batch row), the forward's
   structure: each consumer keeps Q, dO, lse, delta of its tile and walks the
-  key tiles it sees, streamed by the producer; S and dP issued together, as in
-  the dK/dV kernel. No atomics: every dQ row is summed by one warpgroup in a fixed
+  key tiles it sees, streamed by the producer; S and dP issued together up to head
+  dim 128, as in the dK/dV kernel. No atomics: every dQ row is summed by one warpgroup in a fixed
   order, so results are bit-reproducible.
 
 Tile ranges come from `MaskSpec.q_range` / `kv_range`: tiles that see nothing are
@@ -36,6 +36,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, loop
+
+# Up to this head-dim sum (q/k's plus v's) both kernels issue dP with S, in FlashAttention-3's
+# order, and compute the softmax while dP runs; wider (MLA's 192 + 128, 256 + 256) they keep
+# dP's accumulator out of the softmax's way: on an H100 the FlashAttention-3 order measured
+# 1.04-1.08x at head dim 64 and 0.96-1.05x at 128 (runs of +-4% noise), but 0.87x at MLA's 8k causal, whose dK/dV
+# accumulators (160 float32 registers a thread) leave no room for S^T and dP^T in flight
+# (benchmarks/results/mosaic-notes.md).
+DP_WITH_S_MAX_DIMS = 256
 
 
 def _store_grads(grads, smems, dsts):
@@ -102,16 +110,15 @@ def _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t: Tiling):
     return common.logit_grad(ds_t, dlogits_t, t)
 
 
-def _dv_and_ds(i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
-    """One query tile of a key tile's walk, up to dS: S^T = K Q^T and dP^T = V dO^T issued
-    together, P^T (`_probs_t`, which takes `scoring`) while dP^T is still on the tensor cores,
-    then dS^T (`_ds_t`) and dV += P^T dO, left in flight for the caller to wait on with its dK
-    product. With dropout dV takes the dropped weights and dP^T passes back through the same
-    keep mask.
+def _ds_and_dv_operand(i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """One query tile of a key tile's walk, up to dS, in FlashAttention-3's order: S^T = K Q^T
+    and dP^T = V dO^T issued together, P^T (`_probs_t`, which takes `scoring`) computed while
+    dP^T is still on the tensor cores, then dS^T (`_ds_t`). With dropout dP^T passes back
+    through P^T's keep mask.
 
     smem: (k, v, q ring, dO ring, lse ring, delta ring); `slot` picks the ring entries of
-    query tile i. Returns (dS^T float32 [block_kv, block_q], a function that takes the dV
-    accumulator's ref and issues dV += P^T dO)."""
+    query tile i. Returns dS^T (float32 [block_kv, block_q]) and dV's operand, P^T (dropped
+    with dropout) in the inputs' dtype, for the caller to issue dV += P^T dO beside dK."""
     k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
 
@@ -126,12 +133,29 @@ def _dv_and_ds(i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
     (p_t, dlogits_t, keep_t), dp_t = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
     ds_t = _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
-    p16 = common.drop(p_t, t, keep_t).astype(q_smem.dtype)
+    return ds_t, common.drop(p_t, t, keep_t).astype(q_smem.dtype)
 
-    def dv_product(dv_ref):
-        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])  # dV += P^T dO
 
-    return ds_t, dv_product
+def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
+    """One query tile of a key tile's walk, up to dS, with fewer accumulators live at once
+    (wide head dims): S^T = K Q^T, P^T (`_probs_t`, which takes `scoring`), dV += P^T dO and
+    dP^T = V dO^T, then dS^T (`_ds_t`). With dropout dV takes the dropped weights and dP^T
+    passes back through the same keep mask.
+
+    smem as `_ds_and_dv_operand` takes it. Returns dv and dS^T, float32 [block_kv, block_q]."""
+    k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
+    block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
+    p_t, dlogits_t, keep_t = _probs_t(_scores_t(slot, smem), i, slot, smem, k_start=k_start, masked=masked, t=t,
+                                      **scoring)
+
+    def dv_dp(refs):
+        # One block for both products: a single wgmma wait.
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])  # dV += P^T dO
+        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
+
+    dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
+    return dv, _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
 
 
 def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t: Tiling, **scoring):
@@ -187,6 +211,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
+    dp_with_s = head_dim + v_head_dim <= DP_WITH_S_MAX_DIMS
     tiles_per_cta = 1 if split else COMPUTE_WGS
     cta_keys = tiles_per_cta * block_kv
     assert q_len % block_q == 0 and k_len % cta_keys == 0, (q.shape, k.shape, t)
@@ -264,17 +289,25 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                                kv_seg=kv_seg, stream=stream, bias_t=bias_t, mod=mod)
                 if role == "dv":
                     carry = _dv_and_pd(carry, i, slot, smem, pd_smem, pd_ready, **scoring)
-                else:
+                elif dp_with_s:
                     dk, dv = carry
-                    ds_t, dv_product = _dv_and_ds(i, slot, smem, **scoring)
+                    ds_t, p16 = _ds_and_dv_operand(i, slot, smem, **scoring)
 
                     def dk_dv(refs):
                         # One wgmma group: a single wait for both accumulators.
                         dk_ref, dv_ref = refs
-                        dv_product(dv_ref)
+                        plgpu.wgmma(dv_ref, p16, do_smem.at[slot])  # dV += P^T dO
                         plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
 
                     carry = pl.run_state(dk_dv)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+                else:
+                    dk, dv = carry
+                    dv, ds_t = _dv_and_ds(dv, i, slot, smem, **scoring)
+
+                    def dk_(acc_ref):
+                        plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])  # dK += dS^T Q
+
+                    carry = pl.run_state(dk_)(plgpu.ACC.init(dk)), dv
                 plgpu.barrier_arrive(free.at[slot])
                 return carry
 
@@ -391,6 +424,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     n_pairs = q_len // (COMPUTE_WGS * block_q)
     stages = max(1, min(t.stages, n_kv))
     v_stages = max(1, min(t.v_stages or stages, stages))  # V's ring may be shallower (Tiling.v_stages)
+    dp_with_s = head_dim + v_head_dim <= DP_WITH_S_MAX_DIMS
     scale_log2 = t.exp2_scale
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, opt: OptionalInputs, dq_ref, bias_scratch, scoped):
@@ -441,26 +475,35 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 plgpu.barrier_wait(k_ready.at[slot])
                 kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
-                bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
-
-                def scores_and_dp(s_ref, dp_ref):
-                    # S and dP issued together: the softmax of S runs while dP is on the tensor cores.
-                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))  # S = Q K^T
-                    plgpu.barrier_wait(v_ready.at[v_slot])
-                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[v_slot].transpose((1, 0)))  # dP = dO V^T
-                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                def probs(s, bias):
                     s, dlogits = common.logits(s, t, slope=slope, q_start=q_start, k_start=j * block_kv, bias=bias,
                                                mod=mod, grad=True)
                     if masked:
                         s = common.mask_tile(s, t.spec, q_start, j * block_kv, kv_length=kv_length, q_seg=q_seg,
                                              kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
                     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
-                    p = jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0))
-                    return p, dlogits, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+                    return jnp.exp2(jnp.minimum(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]), 0.0)), dlogits
 
-                shape = (block_q, block_kv)
-                p, dlogits, dp = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
-                                               plgpu.ACC(shape, jnp.float32))
+                if dp_with_s:
+                    bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
+
+                    def scores_and_dp(s_ref, dp_ref):
+                        # S and dP issued together: the softmax of S runs while dP is on the tensor cores.
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))  # S = Q K^T
+                        plgpu.barrier_wait(v_ready.at[v_slot])
+                        plgpu.wgmma(dp_ref, do_smem, v_smem.at[v_slot].transpose((1, 0)))  # dP = dO V^T
+                        return probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), bias), \
+                            plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+                    shape = (block_q, block_kv)
+                    (p, dlogits), dp = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
+                                                     plgpu.ACC(shape, jnp.float32))
+                else:
+                    s = common.product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv))  # S = Q K^T
+                    bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
+                    p, dlogits = probs(s, bias)
+                    plgpu.barrier_wait(v_ready.at[v_slot])
+                    dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
                 plgpu.barrier_arrive(v_free.at[v_slot])
                 if stream is not None:
                     dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
