@@ -19,8 +19,8 @@ dS = P * (dP - delta), dP = dO V^T.
 * dQ: one CTA per (query head, pair of query tiles, batch row), the forward's
   structure: each consumer keeps Q, dO, lse, delta of its tile and walks the
   key tiles it sees, streamed by the producer; S and dP issued together up to head
-  dim 128, as in the dK/dV kernel. No atomics: every dQ row is summed by one warpgroup in a fixed
-  order, so results are bit-reproducible.
+  dim 128, as in the dK/dV kernel. No atomics: every dQ row is summed by one
+  warpgroup in a fixed order, so results are bit-reproducible.
 
 Tile ranges come from `MaskSpec.q_range` / `kv_range`: tiles that see nothing are
 never loaded, and only the boundary tiles (the causal diagonal, the last partial
@@ -39,10 +39,10 @@ from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, 
 
 # Up to this head-dim sum (q/k's plus v's) both kernels issue dP with S, in FlashAttention-3's
 # order, and compute the softmax while dP runs; wider (MLA's 192 + 128, 256 + 256) they keep
-# dP's accumulator out of the softmax's way: on an H100 the FlashAttention-3 order measured
-# 1.04-1.08x at head dim 64 and 0.96-1.05x at 128 (runs of +-4% noise), but 0.87x at MLA's 8k causal, whose dK/dV
-# accumulators (160 float32 registers a thread) leave no room for S^T and dP^T in flight
-# (benchmarks/results/mosaic-notes.md).
+# dP's accumulator out of the softmax's way. On an H100 the FlashAttention-3 order measured
+# 1.04-1.08x at head dim 64 and 0.96-1.05x at 128 (runs of +-4% noise), but 0.87x at MLA's
+# 8k causal, whose dK/dV accumulators (160 float32 registers a thread) leave no room for S^T
+# and dP^T in flight (benchmarks/results/mosaic-notes.md).
 DP_WITH_S_MAX_DIMS = 256
 
 
@@ -503,7 +503,8 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                     bias = None if bias_smem is None else common.bias_tile(bias_smem, bias_ready, v_slot, wg, block_q)
                     p, dlogits = probs(s, bias)
                     plgpu.barrier_wait(v_ready.at[v_slot])
-                    dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))  # dP = dO V^T
+                    # dP = dO V^T
+                    dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))
                 plgpu.barrier_arrive(v_free.at[v_slot])
                 if stream is not None:
                     dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
@@ -571,5 +572,3 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
     return common.launch(
         entry, out_type=q, pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_dq",
     )(q, k, v, do, lse2, delta, *optional.inputs(t, pairs=True))
-
-
