@@ -20,8 +20,12 @@ then timed as the median of >= 10 repetitions of a few back-to-back calls ended 
 backend="mosaic" (the Hopper kernels), each with its backend's tuned config;
 `--triton-config fwd.block_k=64,dq.num_warps=4` and `--mosaic-config
 bwd_stages=3,stages=3` override fields of that config (for every head dim of
-the sweep). Cells with overrides keep their usual keys, so such a run needs `--out`:
-compare two configs by running twice into two files.
+the sweep). Cells with overrides keep their usual keys, so such a run needs `--out`.
+To compare two configs, measure them in one process: `--ab flashjax_mosaic:fwd_persistent=false`
+adds the implementation `flashjax_mosaic~ab` (the impl's config with those overrides on
+top), and every cell of a row is then timed in `--rounds` interleaved rounds (default 3),
+the median round kept: a single timing of one cell moves by 5-10% from run to run on an
+H100 (clocks, the GPU of the pool), more than most config changes are worth.
 
 Results are merged into benchmarks/results/<device>.json (cells keyed by config, T,
 causal, mode and implementation), so a sweep may be run in pieces (`--resume` skips
@@ -96,6 +100,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="TritonConfig overrides for the flashjax impl, e.g. fwd.block_k=64,dkv.num_warps=4")
     p.add_argument("--mosaic-config", default="", metavar="FIELD=VALUE,...",
                    help="MosaicConfig overrides for the flashjax_mosaic impl, e.g. bwd_stages=3,stages=3")
+    p.add_argument("--ab", default="", metavar="IMPL:FIELD=VALUE,...",
+                   help="also measure IMPL (flashjax or flashjax_mosaic) with these config overrides, as IMPL~ab, "
+                        "interleaved with the other cells of each row (needs --out)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="time each row's cells in this many interleaved rounds, the median round kept "
+                        "(default 3 with --ab, else 1)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (>= 10 for the protocol)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per batch (B = tokens // T)")
     p.add_argument("--out", default=None, help="results directory or .json file (default benchmarks/results/)")
@@ -127,7 +137,23 @@ def plan(args) -> list[Cell]:
                 for mode in modes:
                     for impl in impls:
                         cells.append(Cell(name, heads, kv_heads, head_dim, seq, causal, mode, impl, tokens))
+                        if impl == ab_split(args.ab)[0]:
+                            cells.append(Cell(name, heads, kv_heads, head_dim, seq, causal, mode, impl + AB, tokens))
     return cells
+
+
+# The suffix of the implementation `--ab` adds: its base impl with the --ab overrides.
+AB = "~ab"
+
+
+def ab_split(text: str) -> tuple[str | None, str]:
+    """``"IMPL:FIELD=VALUE,..."`` -> (IMPL, overrides); (None, "") without --ab."""
+    if not text:
+        return None, ""
+    impl, sep, fields = text.partition(":")
+    if not sep or impl not in FLASHJAX_BACKENDS or not fields.strip():
+        raise SystemExit(f"--ab {text!r}: expected IMPL:FIELD=VALUE,... with IMPL one of {sorted(FLASHJAX_BACKENDS)}")
+    return impl, fields
 
 
 # ---- the implementations (JAX) -----------------------------------------------------------
@@ -150,17 +176,21 @@ FLASHJAX_BACKENDS = {"flashjax": ("triton", "triton_config"), "flashjax_mosaic":
 
 
 def flashjax_config(impl: str, head_dim: int, overrides: dict | None):
-    """The config a flashjax impl runs with: None (the backend's tuned default), or that
-    default with the impl's ``"field=value,..."`` overrides applied."""
-    text = (overrides or {}).get(impl, "")
-    if not text:
+    """The config a flashjax impl (or its `--ab` variant, ``impl~ab``) runs with: None (the
+    backend's tuned default), or that default with the impl's ``"field=value,..."`` overrides
+    applied (the variant's after its base impl's)."""
+    base = impl.removesuffix(AB)
+    texts = [(overrides or {}).get(base, "")] + ([(overrides or {}).get(impl, "")] if impl != base else [])
+    if not any(texts):
         return None
     import jax.numpy as jnp
 
     from flashjax import MosaicConfig, TritonConfig
 
-    default = TritonConfig.default(head_dim, jnp.bfloat16) if impl == "flashjax" else MosaicConfig.default(head_dim)
-    return config_overrides(default, text)
+    config = TritonConfig.default(head_dim, jnp.bfloat16) if base == "flashjax" else MosaicConfig.default(head_dim)
+    for text in texts:
+        config = config_overrides(config, text)
+    return config
 
 
 def impl_fn(cell: Cell, overrides: dict | None = None):
@@ -172,10 +202,10 @@ def impl_fn(cell: Cell, overrides: dict | None = None):
     import jax.numpy as jnp
 
     causal, scale = cell.causal, cell.scale
-    if cell.impl in FLASHJAX_BACKENDS:
+    if cell.impl.removesuffix(AB) in FLASHJAX_BACKENDS:
         import flashjax
 
-        backend = FLASHJAX_BACKENDS[cell.impl][0]
+        backend = FLASHJAX_BACKENDS[cell.impl.removesuffix(AB)][0]
         config = flashjax_config(cell.impl, cell.head_dim, overrides)
         q = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.heads, cell.head_dim), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.kv_heads, cell.head_dim), jnp.bfloat16)
@@ -233,8 +263,10 @@ def prepare_cell(cell: Cell, args, overrides: dict | None = None):
 
 
 def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int, memory_limit,
-            overrides: dict | None = None) -> list[dict]:
-    """Compiles a row's cells (same problem) concurrently, then checks and times them one by one."""
+            overrides: dict | None = None, rounds: int = 1) -> list[dict]:
+    """Compiles a row's cells (same problem) concurrently, checks them one by one, then times
+    those that passed in `rounds` rounds, each round timing every cell once in turn; a cell
+    keeps its median round (with `rounds` > 1 its rounds' medians are recorded too)."""
     import jax
 
     q, k, v, do = make_inputs(cells[0])
@@ -252,7 +284,7 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
         for cell, compiled, error in pool.map(prepare, cells):
             prepared[cell] = (compiled, error)
 
-    entries = []
+    entries, checked = [], []
     for cell in cells:
         compiled, error = prepared[cell]
         if error is not None and workers > 1 and not isinstance(error, (Unsupported, EstimatedOOM, ImportError)):
@@ -274,8 +306,10 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
             continue
         executable, note, temp = compiled
         fields = dict(temp_bytes=temp, note=note)
-        if (overrides or {}).get(cell.impl):
-            fields["config_overrides"] = overrides[cell.impl]
+        base = cell.impl.removesuffix(AB)
+        applied = [(overrides or {}).get(i, "") for i in dict.fromkeys((base, cell.impl))]
+        if any(applied):
+            fields["config_overrides"] = ",".join(filter(None, applied))
         if temp is not None and memory_limit and temp > memory_limit:
             entries.append(record(cell, "oom", error=f"temp {temp / 1e9:.1f} GB > device limit", **fields))
             continue
@@ -287,11 +321,31 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
             if not all(e < TOLERANCE for e in errs.values()):  # nan fails too
                 entries.append(record(cell, "mismatch", error=f"rel err {errs} >= {TOLERANCE}", **fields))
                 continue
-            median, times, inner = median_time(lambda: executable(*args), jax.block_until_ready, reps=reps)
-            entries.append(record(cell, "ok", median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times],
-                                  inner=inner, **fields))
         except Exception as e:
             entries.append(record(cell, "oom" if is_oom(e) else "error", error=short_error(e), **fields))
+            continue
+        checked.append((cell, executable, fields))
+
+    timings = {cell: [] for cell, _, _ in checked}
+    failed = {}
+    for _ in range(rounds):
+        for cell, executable, _ in checked:
+            if cell not in failed:
+                try:
+                    timings[cell].append(median_time(lambda: executable(*args), jax.block_until_ready, reps=reps))
+                except Exception as e:
+                    failed[cell] = e
+    for cell, _, fields in checked:
+        if cell in failed:
+            entries.append(record(cell, "oom" if is_oom(failed[cell]) else "error", error=short_error(failed[cell]),
+                                  **fields))
+            continue
+        medians = [median for median, _, _ in timings[cell]]
+        median, times, inner = timings[cell][sorted(range(rounds), key=medians.__getitem__)[(rounds - 1) // 2]]
+        if rounds > 1:
+            fields["rounds_ms"] = [m * 1e3 for m in medians]
+        entries.append(record(cell, "ok", median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times], inner=inner,
+                              **fields))
     return entries
 
 
@@ -337,7 +391,7 @@ def run_torch(argv: list[str], budget_s: float) -> tuple[dict, str]:
 
 def strip_torch_flags(argv: list[str]) -> list[str]:
     """The flags torch_sdpa.py understands: everything but JAX-only ones."""
-    drop_with_value = {"--out", "--compile-workers", "--cache-dir", "--torch", "--budget-s"}
+    drop_with_value = {"--out", "--compile-workers", "--cache-dir", "--torch", "--budget-s", "--ab", "--rounds"}
     kept, skip = [], False
     for a in argv:
         if skip:
@@ -360,7 +414,7 @@ def table(cells: dict, impls: list[str] | None = None) -> str:
     if not entries:
         return "(no cells)"
     present = {e["impl"] for e in entries}
-    impls = [i for i in (impls or IMPLS) if i in present]
+    impls = [v for i in (impls or IMPLS) for v in (i, i + AB) if v in present]
     rows = sorted({(e["config"], e["seq"], e["causal"]) for e in entries},
                   key=lambda r: (list(CONFIGS).index(r[0]) if r[0] in CONFIGS else 99, r[1], r[2]))
     by_key = {(e["config"], e["seq"], e["causal"], e["mode"], e["impl"]): e for e in entries}
@@ -373,25 +427,27 @@ def table(cells: dict, impls: list[str] | None = None) -> str:
             return f"{e['tflops']:.0f}" if e["tflops"] >= 10 else f"{e['tflops']:.2g}"
         return STATUS_MARK.get(e["status"], e["status"])
 
-    def ratio(row, mode, other):
-        a, b = by_key.get((*row, mode, "flashjax")), by_key.get((*row, mode, other))
+    def ratio(row, mode, other, base="flashjax"):
+        a, b = by_key.get((*row, mode, base)), by_key.get((*row, mode, other))
         if a and b and a["status"] == b["status"] == "ok":
             return f"{b['median_ms'] / a['median_ms']:.2f}"
         return "-"
 
     header = ["config", "T", "causal"] + impls
-    speedups = [o for o in ("pallas_mha", "cudnn") if o in impls and "flashjax" in impls]
-    header += [f"vs {o}" for o in speedups]
+    speedups = [("flashjax", o) for o in ("pallas_mha", "cudnn") if o in impls and "flashjax" in impls]
+    speedups += [(i, i + AB) for i in IMPLS if i + AB in impls and i in impls]
+    header += [f"{o} / {base}" if o.endswith(AB) else f"vs {o}" for base, o in speedups]
     lines = [header]
     for row in rows:
         line = [row[0], str(row[1]), "yes" if row[2] else "no"]
         line += [f"{val(row, 'fwd', i)}/{val(row, 'fwdbwd', i)}" for i in impls]
-        line += [f"{ratio(row, 'fwd', o)}/{ratio(row, 'fwdbwd', o)}" for o in speedups]
+        line += [f"{ratio(row, 'fwd', o, base)}/{ratio(row, 'fwdbwd', o, base)}" for base, o in speedups]
         lines.append(line)
     widths = [max(len(l[c]) for l in lines) for c in range(len(header))]
     text = ["  ".join(s.rjust(w) for s, w in zip(l, widths)) for l in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
-    note = "TFLOP/s fwd/fwd+bwd; vs <peer> = peer time / flashjax time (fwd/fwd+bwd, > 1: flashjax faster)"
+    note = ("TFLOP/s fwd/fwd+bwd; vs <peer> = peer time / flashjax time (fwd/fwd+bwd, > 1: flashjax faster); "
+            f"<impl>{AB} / <impl> = the --ab variant's time / the impl's (< 1: the variant faster)")
     return "\n".join(text + [note])
 
 
@@ -407,12 +463,18 @@ def config_flags(args, cells: list[Cell]) -> dict:
     if overrides and args.out is None:
         raise SystemExit("--triton-config/--mosaic-config measure a non-default config under the usual cell keys: "
                          "pass --out so that benchmarks/results/<device>.json keeps the defaults' measurements")
+    ab_impl, ab_fields = ab_split(args.ab)
+    if ab_impl is not None:
+        if args.out is None:
+            raise SystemExit("--ab measures config variants: pass --out so that benchmarks/results/<device>.json "
+                             "keeps the sweep's measurements")
+        overrides[ab_impl + AB] = ab_fields
     for impl in overrides:
         for head_dim in sorted({c.head_dim for c in cells if c.impl == impl}):
             try:
                 flashjax_config(impl, head_dim, overrides)
             except (ValueError, TypeError) as e:
-                flag = "--" + FLASHJAX_BACKENDS[impl][1].replace("_", "-")
+                flag = "--ab" if impl.endswith(AB) else "--" + FLASHJAX_BACKENDS[impl][1].replace("_", "-")
                 raise SystemExit(f"{flag} {overrides[impl]!r} at head_dim {head_dim}: {e}") from None
     return overrides
 
@@ -429,6 +491,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     start = time.perf_counter()
     cells = plan(args)
     overrides = config_flags(args, cells)
+    rounds = args.rounds or (3 if args.ab else 1)
+    if rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {rounds}")
 
     # PyTorch first, while JAX has not yet claimed the GPU (see the module docstring).
     torch_cells, torch_note = {}, ""
@@ -478,7 +543,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         else:
             if bar is not None:
                 bar.set_postfix_str(f"{config} T={seq} causal={causal}")
-            entries = run_row(row, args.compile_workers, checker, args.reps, memory_limit, overrides)
+            entries = run_row(row, args.compile_workers, checker, args.reps, memory_limit, overrides, rounds)
         for e in entries:
             key = cell_key(e["config"], e["seq"], e["causal"], e["mode"], e["impl"])
             if e["status"] != "skipped" or key not in results["cells"]:  # a skip never hides a measurement

@@ -43,6 +43,29 @@ def test_bench_smoke(tmp_path, capsys):
     assert "smoke" in capsys.readouterr().out  # the table
 
 
+def test_bench_ab_smoke(tmp_path, capsys):
+    """--ab: the config variant measured as IMPL~ab beside its impl, both checked, every cell
+    of a row timed in interleaved rounds (their medians recorded); bad --ab flags stop first."""
+    bench = _script("attention")
+    out = tmp_path / "ab.json"
+    argv = ["--smoke", "--quiet", "--causal", "no", "--modes", "fwd", "--impls", "flashjax,xla",
+            "--ab", "flashjax:fwd.num_warps=2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert sorted({c["impl"] for c in cells.values()}) == ["flashjax", "flashjax~ab", "xla"]
+    for key, cell in cells.items():
+        assert cell["status"] == "ok", (key, cell.get("error"))
+        assert len(cell["rounds_ms"]) == 3 and cell["median_ms"] * 1e-3 > 0
+        assert min(cell["rounds_ms"]) <= cell["median_ms"] <= max(cell["rounds_ms"])
+        assert cell.get("config_overrides") == ("fwd.num_warps=2" if cell["impl"] == "flashjax~ab" else None), key
+    assert "flashjax~ab / flashjax" in capsys.readouterr().out
+    for bad in (["--ab", "flashjax:fwd.num_warps=2"],  # no --out
+                ["--ab", "cudnn:block_q=64", "--out", str(out)],
+                ["--ab", "flashjax:fwd.no_such_field=1", "--out", str(out)]):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", "--quiet", "--impls", "flashjax", *bad])
+
+
 def test_tune_smoke(tmp_path):
     """tune.py --smoke: candidates searched, the winners written into a copy of the Triton table."""
     table = tmp_path / "tuned.json"
