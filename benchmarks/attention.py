@@ -5,6 +5,8 @@
         --modes fwd,fwdbwd --causal both --impls flashjax,cudnn,pallas_mha
     python benchmarks/attention.py --impls flashjax_mosaic --mosaic-config bwd_stages=3 \\
         --out /tmp/bwd_stages3.json                      # a non-default MosaicConfig, in its own file
+    python benchmarks/attention.py --impls flashjax_mosaic --ab flashjax_mosaic:bwd_stages=3 \
+        --out /tmp/ab.json                               # default and variant, interleaved rounds
     python benchmarks/attention.py --smoke --out /tmp/bench   # CPU: tiny, interpret mode
 
 The protocol is the one of `flashjax.benchmark` (its module docstring): bfloat16,
