@@ -5,7 +5,7 @@
         --modes fwd,fwdbwd --causal both --impls flashjax,cudnn,pallas_mha
     python benchmarks/attention.py --impls flashjax_mosaic --mosaic-config bwd_stages=3 \\
         --out /tmp/bwd_stages3.json                      # a non-default MosaicConfig, in its own file
-    python benchmarks/attention.py --impls flashjax_mosaic --ab flashjax_mosaic:bwd_stages=3 \
+    python benchmarks/attention.py --impls flashjax_mosaic --ab flashjax_mosaic:bwd_stages=3 \\
         --out /tmp/ab.json                               # default and variant, interleaved rounds
     python benchmarks/attention.py --smoke --out /tmp/bench   # CPU: tiny, interpret mode
 
@@ -131,6 +131,7 @@ def plan(args) -> list[Cell]:
     modes = parse_list(args.modes, MODES, "mode")
     impls = parse_list(args.impls, IMPLS, "implementation")
     tokens = 256 if args.smoke else args.tokens
+    ab_impl = ab_split(args.ab)[0]
     cells = []
     for name in names:
         heads, kv_heads, head_dim = configs[name]
@@ -139,7 +140,7 @@ def plan(args) -> list[Cell]:
                 for mode in modes:
                     for impl in impls:
                         cells.append(Cell(name, heads, kv_heads, head_dim, seq, causal, mode, impl, tokens))
-                        if impl == ab_split(args.ab)[0]:
+                        if impl == ab_impl:
                             cells.append(Cell(name, heads, kv_heads, head_dim, seq, causal, mode, impl + AB, tokens))
     return cells
 
@@ -177,13 +178,19 @@ def _interpret() -> bool:
 FLASHJAX_BACKENDS = {"flashjax": ("triton", "triton_config"), "flashjax_mosaic": ("mosaic", "mosaic_config")}
 
 
+def override_texts(impl: str, overrides: dict | None) -> list[str]:
+    """The ``"field=value,..."`` overrides an impl runs with, in the order they apply: its
+    own, or for an `--ab` variant its base impl's and then the variant's (empty ones left out)."""
+    return [text for i in dict.fromkeys((impl.removesuffix(AB), impl)) if (text := (overrides or {}).get(i, ""))]
+
+
 def flashjax_config(impl: str, head_dim: int, overrides: dict | None):
     """The config a flashjax impl (or its `--ab` variant, ``impl~ab``) runs with: None (the
     backend's tuned default), or that default with the impl's ``"field=value,..."`` overrides
     applied (the variant's after its base impl's)."""
     base = impl.removesuffix(AB)
-    texts = [(overrides or {}).get(base, "")] + ([(overrides or {}).get(impl, "")] if impl != base else [])
-    if not any(texts):
+    texts = override_texts(impl, overrides)
+    if not texts:
         return None
     import jax.numpy as jnp
 
@@ -308,10 +315,8 @@ def run_row(cells: list[Cell], compile_workers: int, checker: Checker, reps: int
             continue
         executable, note, temp = compiled
         fields = dict(temp_bytes=temp, note=note)
-        base = cell.impl.removesuffix(AB)
-        applied = [(overrides or {}).get(i, "") for i in dict.fromkeys((base, cell.impl))]
-        if any(applied):
-            fields["config_overrides"] = ",".join(filter(None, applied))
+        if applied := override_texts(cell.impl, overrides):
+            fields["config_overrides"] = ",".join(applied)
         if temp is not None and memory_limit and temp > memory_limit:
             entries.append(record(cell, "oom", error=f"temp {temp / 1e9:.1f} GB > device limit", **fields))
             continue
