@@ -214,13 +214,14 @@ def test_float8_cache_queries_far_outside_float16(rng):
 
 
 @pytest.mark.parametrize("shift", [0, 20, -20, 120, -120])
-def test_float16_rows(rng, shift):
+def test_float16_factors(rng, shift):
     """Rows scaled by their own power of two: exact for bfloat16 values within 2**-28 of the
     row's largest, the largest in [2**14, 2**15), and the factor undoes the scaling (rows
     below 2**-111 are only scaled by 2**126: the -120 case checks them to an absolute bound)."""
     rows = jnp.asarray(rng.standard_normal((3, 5, 64)) * 2.0**shift, jnp.float32).astype(BF16)
     rows = rows.at[1, 2].set(0.0)
-    scaled, unscale = triton_decode.float16_rows(rows)
+    scale, unscale = triton_decode.float16_factors(jnp.max(jnp.abs(rows.astype(F32)), axis=-1))
+    scaled = (rows.astype(F32) * scale[..., None]).astype(F16)
     assert scaled.dtype == F16 and unscale.shape == rows.shape[:-1]
     back = np.asarray(scaled, np.float64) * np.asarray(unscale, np.float64)[..., None]
     want = np.asarray(rows, np.float64)

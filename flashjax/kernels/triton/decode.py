@@ -32,8 +32,8 @@ and writes a partial output and its logsumexp; the partials are merged exactly i
   sum), per kv head or per page. The products run in float16 for bfloat16 and float16
   queries: float8 converts to float16 in one instruction per pair of values, to bfloat16
   in four (through float16 and float32), and at small batches those conversions, not HBM,
-  bound the step. bfloat16 queries enter float16 scaled by a power of two per row (see
-  `float16_rows`), and the weights of P.V are rounded to float16 (10 mantissa bits
+  bound the step. bfloat16 queries enter float16 scaled by a power of two per row, computed
+  in the kernel (`float16_factors`), and the weights of P.V are rounded to float16 (10 mantissa bits
   rather than bfloat16's 7).
 """
 
@@ -79,25 +79,26 @@ TARGET_WAVES = 2
 CPU_SPLITS = 2
 
 
-def float16_rows(q_rows):
-    """bfloat16 query rows [..., D] as float16 times a power of two per row, and its inverse.
+def float16_factors(magnitude):
+    """The power of two that scales a bfloat16 row of largest magnitude `magnitude` (float32
+    [...]) into float16, and its inverse: (scale, unscale), float32 [...].
 
-    Each row is scaled so that its largest magnitude lies in [2**14, 2**15): every value
-    within 2**-28 of the row's largest converts exactly (bfloat16's 8 significant bits fit
-    float16's 11), smaller ones round to float16's subnormals, a change far below the
-    rounding of the row's largest term of q.k. Rows whose largest magnitude is below
-    2**-111 are scaled by 2**126 only (the factor stays a normal float32). Returns
-    (float16 rows, float32 [...] factor that multiplies q.k back).
+    The scaled row's largest magnitude lies in [2**14, 2**15): every value within 2**-28 of
+    it converts exactly (bfloat16's 8 significant bits fit float16's 11), smaller ones round
+    to float16's subnormals, a change far below the rounding of the row's largest term of
+    q.k. Rows whose largest magnitude is below 2**-111 (zero rows and float32 subnormals
+    included) are scaled by 2**126 only, so that both factors stay normal float32. Plain
+    bit arithmetic (no `frexp`), so that the Triton kernel computes it too.
     """
-    magnitude = jnp.max(jnp.abs(q_rows.astype(jnp.float32)), axis=-1)
-    _, exponent = jnp.frexp(magnitude)  # magnitude < 2**exponent (exponent 0 for a zero row)
-    shift = jnp.clip(15 - exponent, -113, 126)  # bfloat16's range; factors normal in float32
+    bits = lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.int32)
+    # magnitude < 2**exponent for a normal float32 (its biased exponent minus 126).
+    exponent = lax.shift_right_logical(bits, jnp.int32(23)) - 126
+    shift = jnp.clip(15 - exponent, -113, 126)
 
     def power_of_two(e):  # exactly 2**e, built from its bits
-        return lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+        return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), jnp.float32)
 
-    rows = (q_rows.astype(jnp.float32) * power_of_two(shift)[..., None]).astype(jnp.float16)
-    return rows, power_of_two(-shift)
+    return power_of_two(shift), power_of_two(-shift)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -300,7 +301,7 @@ class _CacheRefs(NamedTuple):
     v_scale: object = None
 
 
-def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer: Scorer,
+def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer: Scorer,
                    t: DecodeTiling, num_k_tiles: int, scales: str | None):
     batch, head, split, q_tile = (pl.program_id(i) for i in range(4))
     block_q, head_dim = q_ref.shape
@@ -318,12 +319,20 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
     per_split = lax.div(tiles.hi - tiles.lo + (t.num_splits - 1), t.num_splits)
     lo = tiles.lo + split * per_split
     tiles = masks.restrict(tiles, lo, lo + per_split)
-    precision = scoring.dot_precision(q_ref.dtype)
     whole = t.k_blocks == ((0, head_dim),)
     # Features in column blocks (576 = 512 + 64): q.k sums a product per block.
     q_blocks = [q_ref[...]] if whole else [q_ref[:, pl.ds(start, size)] for start, size in t.k_blocks]
-    # float16 rows of bfloat16 queries (float8 caches): each row's power of two, undone on q.k.
-    q_unscale = None if q_unscale_ref is None else q_unscale_ref[...][:, None]
+    q_unscale = None
+    if jnp.dtype(c.k.dtype).name == FLOAT8 and q_ref.dtype == jnp.bfloat16:
+        # float16 rows of bfloat16 queries: each row's power of two, undone on q.k.
+        q_blocks = [b.astype(jnp.float32) for b in q_blocks]
+        magnitude = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(b), axis=1) for b in q_blocks])
+        q_scale, q_unscale = float16_factors(magnitude)
+        q_blocks = [(b * q_scale[:, None]).astype(jnp.float16) for b in q_blocks]
+        q_unscale = q_unscale[:, None]
+    # The products' dtype: float8 tiles convert exactly to it.
+    compute_dtype = q_blocks[0].dtype
+    precision = scoring.dot_precision(compute_dtype)
     # Scales per kv head are one number for the whole loop.
     k_scale = c.k_scale[head] if scales == "head" else None
     v_scale = c.v_scale[head] if scales == "head" else None
@@ -360,8 +369,8 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
         if not t.latent:
             v_blocks, v_page_scale = load(c.v, c.v_scale, j, t.v_blocks)
         cols = (tile_start(j) if t.page_size is None else j * block_k) + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-        # A float8 tile converts exactly to q's dtype; its scale is applied in float32.
-        k_blocks = [k.astype(q_ref.dtype) for k in k_blocks]
+        # A float8 tile converts exactly to the products' dtype; its scale is applied in float32.
+        k_blocks = [k.astype(compute_dtype) for k in k_blocks]
         qk = scoring.dot(q_blocks[0], k_blocks[0], trans_b=True, precision=precision)
         for q, k in zip(q_blocks[1:], k_blocks[1:]):
             qk = qk + scoring.dot(q, k, trans_b=True, precision=precision)
@@ -378,7 +387,7 @@ def _decode_kernel(lengths_ref, q_ref, q_unscale_ref, c: _CacheRefs, o_ref, lse_
         if t.latent:  # the values are the keys' leading blocks, already loaded
             v_blocks, v_page_scale = k_blocks[: len(t.v_blocks)], k_page_scale
         else:
-            v_blocks = [v.astype(q_ref.dtype) for v in v_blocks]
+            v_blocks = [v.astype(compute_dtype) for v in v_blocks]
         v_factor = v_scale if v_page_scale is None else v_page_scale
         values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
         return scoring.online_softmax_step(acc, m, l, s, values, masked=masked, v_scale=v_factor, precision=precision)
@@ -424,10 +433,6 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
     q_rows = q.reshape(batch, q_len, kv_heads, t.group, head_dim).transpose(0, 2, 1, 3, 4)
     q_rows = q_rows.reshape(batch, kv_heads, t.rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - t.rows), (0, 0)))
-    q_unscale = q_unscale_spec = None
-    if jnp.dtype(cache.k.dtype).name == FLOAT8 and q.dtype == jnp.bfloat16:
-        q_rows, q_unscale = float16_rows(q_rows)
-        q_unscale_spec = pl.BlockSpec((None, None, t.block_q), lambda b, h, s, i: (b, h, i))
     scales = _scales_kind(cache)
     if cache.page_table is None:
         capacity = cache.k.shape[1]
@@ -461,7 +466,6 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         in_specs=[
             pl.BlockSpec((batch,), lambda b, h, s, i: (0,)),
             pl.BlockSpec((None, None, t.block_q, head_dim), lambda b, h, s, i: (b, h, i, 0)),
-            q_unscale_spec,
             ref_specs,
         ],
         out_specs=[
@@ -475,7 +479,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=params.interpret,
         name="flashjax_decode",
-    )(cache.lengths, q_rows, q_unscale, refs)
+    )(cache.lengths, q_rows, refs)
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
