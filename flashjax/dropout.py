@@ -26,14 +26,25 @@ def _u32(x):
     return jnp.asarray(x, jnp.uint32) if not hasattr(x, "dtype") else x.astype(jnp.uint32)
 
 
-def hash32(x):
-    """lowbias32: a bijective avalanche hash of uint32."""
-    x = x ^ (x >> 16)
+def _fold(x):
+    """x ^ (x >> 16): lowbias32's first step. It distributes over xor, _fold(a ^ b) =
+    _fold(a) ^ _fold(b), so a row key and a column position can each be folded once and
+    the pair's fold is one xor (`keep_bits`)."""
+    return x ^ (x >> 16)
+
+
+def _mix(x):
+    """lowbias32's steps after the first fold."""
     x = x * jnp.uint32(0x7FEB352D)
     x = x ^ (x >> 15)
     x = x * jnp.uint32(0x846CA68B)
     x = x ^ (x >> 16)
     return x
+
+
+def hash32(x):
+    """lowbias32: a bijective avalanche hash of uint32."""
+    return _mix(_fold(x))
 
 
 def keep_threshold(rate: float) -> int:
@@ -52,20 +63,27 @@ def stream_base(seed0, seed1, batch_head):
 
 
 def row_keys(base, rows):
-    """The per-row keys of one (batch, head) stream for query positions `rows` (int32)."""
-    return hash32(base ^ (_u32(rows) * jnp.uint32(_GOLDEN)))
+    """The per-row keys of one (batch, head) stream for query positions `rows` (int32),
+    folded (`_fold`) for `keep_bits`."""
+    return _fold(hash32(base ^ (_u32(rows) * jnp.uint32(_GOLDEN))))
 
 
-def keep_bits(row_key, cols, threshold: int):
-    """Keep mask for row keys and key positions `cols` (int32) that broadcast together."""
-    bits = hash32(row_key ^ _u32(cols))
+def column_words(cols):
+    """Key positions `cols` (int32) folded (`_fold`) for `keep_bits`."""
+    return _fold(_u32(cols))
+
+
+def keep_bits(row_key, column_word, threshold: int):
+    """Keep mask for `row_keys` and `column_words` that broadcast together: the top bits of
+    hash32(row hash ^ col), its first fold done per row and per column rather than per pair."""
+    bits = _mix(row_key ^ column_word)
     # (bits >> 8) >= threshold, one shift fewer: the threshold is below 2**24.
     return bits >= jnp.uint32(threshold << 8)
 
 
 def tile_keep(base, rows, cols, threshold: int):
     """Keep mask for positions rows [bq, 1] x cols [1, bk] (int32) of one (batch, head) stream."""
-    return keep_bits(row_keys(base, rows), cols, threshold)
+    return keep_bits(row_keys(base, rows), column_words(cols), threshold)
 
 
 def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False,

@@ -657,12 +657,13 @@ def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = 
     [block_kv, block_q] with `transposed`): `flashjax.dropout.tile_keep` of the query and
     key positions, the same bits as the Triton kernels' and the reference's, for the dropout
     `stream` (`OptionalInputs.dropout_stream`). The row keys are hashed once per query row,
-    in the layout of the tile's query dim, then broadcast."""
+    in the layout of the tile's query dim, the key positions folded once per column, then
+    both broadcast."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    rows = _position_vector(shape, q_dim, q_start)
-    row_keys = lax.broadcast_in_dim(dropout.row_keys(stream, rows), shape, [q_dim])
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
-    return dropout.keep_bits(row_keys, cols, dropout.keep_threshold(t.dropout_rate))
+    row_keys = dropout.row_keys(stream, _position_vector(shape, q_dim, q_start))
+    column_words = dropout.column_words(_position_vector(shape, k_dim, k_start))
+    return dropout.keep_bits(lax.broadcast_in_dim(row_keys, shape, [q_dim]),
+                             lax.broadcast_in_dim(column_words, shape, [k_dim]), dropout.keep_threshold(t.dropout_rate))
 
 
 def drop(x, t: Tiling, keep):
