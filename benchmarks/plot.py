@@ -148,9 +148,13 @@ DECODE_PANELS = (("contiguous", "contiguous bf16 cache"), ("paged", "paged bf16 
                  ("fp8", "paged float8 cache (its own bytes)"), ("mla", "absorbed-MLA latent cache (576 / 512)"))
 
 
+# benchmarks/decode.py side runs, not plotted: tile sweeps, the Hopper paged path beside the Triton kernel.
+DECODE_SIDE_RUNS = ("decode-configs-", "decode-hopper-paged-")
+
+
 def decode_files() -> list[Path]:
-    """The results files of benchmarks/decode.py (not its tile sweeps, decode-configs-*)."""
-    return sorted(p for p in RESULTS_DIR.glob("decode-*.json") if not p.name.startswith("decode-configs-"))
+    """The results files of benchmarks/decode.py (not its side runs, `DECODE_SIDE_RUNS`)."""
+    return sorted(p for p in RESULTS_DIR.glob("decode-*.json") if not p.name.startswith(DECODE_SIDE_RUNS))
 
 
 def plot_decode(path: Path, out_dir: Path | None = None) -> Path | None:

@@ -429,7 +429,7 @@ def test_choice():
 
 
 HOPPER_DECODE_REFUSALS = [
-    (dict(page_size=16), "a paged cache"), (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
+    (dict(page_size=16), "page_size 16"), (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
     (dict(window=(64, None)), "a window"), (dict(q_len=4, causal=True), "causal with q_len 4"),
     (dict(capacity=1000), "no multiple of 128"), (dict(head_dim=96), "head_dim 96"),
     (dict(v_head_dim=32), "v head_dim 32 != head_dim 64"), (dict(v_head_dim=32, latent=True), "a latent cache"),
@@ -439,43 +439,53 @@ HOPPER_DECODE_REFUSALS = [
 
 @pytest.mark.parametrize("overrides,reason", HOPPER_DECODE_REFUSALS)
 def test_hopper_decode_refusals(overrides, reason):
-    """What the Hopper decode path (the forward kernel on a split contiguous cache) cannot take."""
+    """What the Hopper decode path (the forward kernel on a split cache) cannot take."""
     from flashjax.kernels.mosaic import decode as mosaic_decode
 
     call = _call(platform="gpu", compute_capability="9.0", **overrides)
     assert any(reason in r for r in mosaic_decode.supports(call)), mosaic_decode.supports(call)
     assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", q_len=4, causal=False)) == []
+    assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", page_size=64)) == []
 
 
-# (batch, q_len, heads, kv_heads, capacity, causal, softcap, lengths, num_splits)
+# (batch, q_len, heads, kv_heads, capacity, page_size, causal, softcap, lengths, num_splits)
 HOPPER_DECODE = [
-    pytest.param(4, 1, 8, 2, 512, True, None, [0, 1, 300, 512], None, id="gqa4-q1-cpu-splits"),
-    pytest.param(2, 1, 4, 1, 512, True, 30.0, [129, 384], 4, id="mqa-q1-softcap-4-splits"),
-    pytest.param(2, 3, 4, 2, 256, False, None, [2, 255], 2, id="gqa2-q3-full"),
-    pytest.param(1, 1, 2, 2, 384, True, None, [383], 3, id="mha-q1-3-splits"),
+    pytest.param(4, 1, 8, 2, 512, None, True, None, [0, 1, 300, 512], None, id="gqa4-q1-cpu-splits"),
+    pytest.param(2, 1, 4, 1, 512, None, True, 30.0, [129, 384], 4, id="mqa-q1-softcap-4-splits"),
+    pytest.param(2, 3, 4, 2, 256, None, False, None, [2, 255], 2, id="gqa2-q3-full"),
+    pytest.param(1, 1, 2, 2, 384, None, True, None, [383], 3, id="mha-q1-3-splits"),
+    # Paged: 7 pages a sequence in 3 splits of 3 (the table padded by 2 pages), and one split.
+    pytest.param(3, 1, 8, 2, 448, 64, True, None, [0, 65, 448], 3, id="paged64-gqa4-3-splits-padded-table"),
+    pytest.param(2, 2, 4, 1, 512, 128, False, 20.0, [1, 300], 1, id="paged128-mqa-q2-softcap-1-split"),
 ]
 
 
-@pytest.mark.parametrize("batch,q_len,heads,kv_heads,capacity,causal,softcap,lengths,num_splits", HOPPER_DECODE)
-def test_hopper_decode_splits_and_merges(rng, batch, q_len, heads, kv_heads, capacity, causal, softcap, lengths,
-                                         num_splits):
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,capacity,page_size,causal,softcap,lengths,num_splits",
+                         HOPPER_DECODE)
+def test_hopper_decode_splits_and_merges(rng, batch, q_len, heads, kv_heads, capacity, page_size, causal, softcap,
+                                         lengths, num_splits):
     """The Hopper decode path's own work, on every machine: the cache split into batch rows in
-    place, the group's query heads as rows, the kv lengths per split, the merge. The forward it
-    runs on the splits is the reference here (tests/test_mosaic.py runs the kernel with lengths
-    on a GPU); against the oracle, with empty splits and sequences of length 0."""
+    place (a paged cache's table cut into rows of pages), the group's query heads as rows, the
+    kv lengths per split, the merge. The forward it runs on the splits is the reference here,
+    reading the pages through the table it is given (tests/test_mosaic.py runs the kernel on
+    a GPU); against the oracle, with empty splits and sequences of length 0."""
     from flashjax.kernels.mosaic import decode as mosaic_decode
     from flashjax.params import DecodeParams, KVCache
 
-    def reference_forward(q, k, v, extras, params, config):
+    def reference_forward(q, k, v, extras, params, config, page_table=None):
         up = lambda x: x.astype(F32)
+        if page_table is not None:  # batch row r's keys: the pages page_table[r] in order
+            rows, pages = page_table.shape
+            k, v = (x[page_table].reshape(rows, pages * x.shape[1], *x.shape[2:]) for x in (k, v))
         return reference.attention(up(q), up(k), up(v), kv_lengths=extras.kv_lengths, scale=params.scale,
                                    softcap=params.softcap, causal=params.causal, return_lse=True)
 
-    cache = make_cache(rng, batch, capacity, kv_heads, BF16)
+    cache = make_cache(rng, batch, capacity, kv_heads, BF16, page_size=page_size)
     q = draw_q(rng, batch, q_len, heads, BF16)
     lengths = jnp.asarray(lengths, jnp.int32)
     params = DecodeParams(scale=D**-0.5, causal=causal, softcap=softcap, num_splits=num_splits, backend="mosaic")
-    got_o, got_lse = mosaic_decode.decode(q, KVCache(cache.k, cache.v, lengths), params, forward=reference_forward)
+    got_o, got_lse = mosaic_decode.decode(q, KVCache(cache.k, cache.v, lengths, cache.page_table), params,
+                                          forward=reference_forward)
     want_o, want_lse = oracle(q, cache, lengths, causal=causal, softcap=softcap)
     assert got_o.dtype == q.dtype and got_o.shape == q.shape
     check_close(got_o, want_o, BF16, "o")

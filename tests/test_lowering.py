@@ -362,12 +362,15 @@ def test_decode_head_dims_lower_to_triton_for_sm90(fake_h100, head_dim, v_head_d
     assert not cache_copies(text, cache_shape, capacity, cache_element, None if latent else v_head_dim)
 
 
-@pytest.mark.parametrize("q_len,causal,head_dim", [(1, True, 128), (5, False, 128), (1, True, 192)])
-def test_mosaic_decode_lowers_for_sm90(q_len, causal, head_dim):
-    """The Hopper decode path (the forward kernel on the cache split into batch rows) lowers
-    for sm_90 and reads the cache in place: one Mosaic GPU kernel, no copy of the cache (no
-    converted or gathered copy, and nothing of the cache's heads larger than it: no pad)."""
-    text, cache_shape, capacity = lower_decode("mosaic", None, jnp.bfloat16, None, q_len, None, capacity=4096,
+@pytest.mark.parametrize("q_len,causal,head_dim,page_size", [(1, True, 128, None), (5, False, 128, None),
+                                                             (1, True, 192, None), (1, True, 128, 64),
+                                                             (3, False, 64, 256)])
+def test_mosaic_decode_lowers_for_sm90(q_len, causal, head_dim, page_size):
+    """The Hopper decode path (the forward kernel on the cache split into batch rows, a paged
+    cache's pages read through its table) lowers for sm_90 and reads the cache in place: one
+    Mosaic GPU kernel, no copy of the cache (no converted or gathered copy, and nothing of the
+    cache's heads larger than it: no pad)."""
+    text, cache_shape, capacity = lower_decode("mosaic", page_size, jnp.bfloat16, None, q_len, None, capacity=4096,
                                                causal=causal, head_dim=head_dim)
     assert text.count(MOSAIC_CALL) == 1 and "flashjax_mosaic_fwd" in text
     assert not cache_copies(text, cache_shape, capacity, "bf16")

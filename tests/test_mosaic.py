@@ -688,28 +688,39 @@ def test_bias_and_mask(make_inputs, key, rng, shape, causal, bias_shape, mask_sh
 
 
 DECODE_CASES = [
-    # (batch, q_len, heads, kv_heads, head_dim, capacity, causal, lengths)
-    pytest.param(8, 1, 32, 8, 128, 4096, True, [0, 1, 127, 128, 129, 2000, 4095, 4096], id="b8-q1-gqa4-d128"),
-    pytest.param(2, 4, 8, 1, 64, 1024, False, [3, 1000], id="b2-q4-mqa-d64-full"),
-    pytest.param(1, 1, 8, 8, 256, 2048, True, [1500], id="b1-q1-mha-d256"),
+    # (batch, q_len, heads, kv_heads, head_dim, capacity, page_size, causal, lengths)
+    pytest.param(8, 1, 32, 8, 128, 4096, None, True, [0, 1, 127, 128, 129, 2000, 4095, 4096], id="b8-q1-gqa4-d128"),
+    pytest.param(2, 4, 8, 1, 64, 1024, None, False, [3, 1000], id="b2-q4-mqa-d64-full"),
+    pytest.param(1, 1, 8, 8, 256, 2048, None, True, [1500], id="b1-q1-mha-d256"),
+    pytest.param(4, 1, 32, 8, 128, 2496, 64, True, [0, 1, 65, 2496], id="paged64-b4-q1-gqa4-d128"),
+    pytest.param(3, 2, 8, 2, 64, 2048, 256, False, [1, 700, 2048], id="paged256-b3-q2-gqa4-d64-full"),
 ]
 
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim,capacity,causal,lengths", DECODE_CASES)
-def test_decode(key, batch, q_len, heads, kv_heads, head_dim, capacity, causal, lengths, dtype, assert_close,
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,head_dim,capacity,page_size,causal,lengths", DECODE_CASES)
+def test_decode(key, batch, q_len, heads, kv_heads, head_dim, capacity, page_size, causal, lengths, dtype, assert_close,
                 assert_lse_close):
-    """decode_attention(backend="mosaic"): the forward kernel on the split cache, against the
-    reference on each sequence's valid keys (a q_len-1 query sees all of them; the q_len-4
-    case has no causal mask), including lengths 0 and 1 and a full cache."""
+    """decode_attention(backend="mosaic"): the forward kernel on the split cache (a paged one
+    through a shuffled page table over a pool with spare pages), against the reference on each
+    sequence's valid keys (a q_len-1 query sees all of them; the q_len > 1 cases have no causal
+    mask), including lengths 0 and 1 and a full cache."""
     from flashjax import reference
 
-    keys = jax.random.split(key, 3)
+    keys = jax.random.split(key, 4)
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
     k, v = (jax.random.normal(keys[i], (batch, capacity, kv_heads, head_dim), jnp.float32).astype(dtype) for i in (1, 2))
     lengths = jnp.asarray(lengths, jnp.int32)
-    got_o, got_lse = flashjax.decode_attention(q, k, v, lengths, causal=causal, backend="mosaic", return_lse=True)
+    k_cache, v_cache, table = k, v, None
+    if page_size is not None:
+        pages = batch * capacity // page_size
+        table = jax.random.permutation(keys[3], pages + 5)[:pages].astype(jnp.int32).reshape(batch, -1)
+        pool = lambda x: jnp.zeros((pages + 5, page_size, kv_heads, head_dim), dtype).at[table.reshape(-1)].set(
+            x.reshape(pages, page_size, kv_heads, head_dim))
+        k_cache, v_cache = pool(k), pool(v)
+    got_o, got_lse = flashjax.decode_attention(q, k_cache, v_cache, lengths, page_table=table, causal=causal,
+                                               backend="mosaic", return_lse=True)
     up = lambda x: x.astype(jnp.float32)
     want_o, want_lse = reference.attention(up(q), up(k), up(v), kv_lengths=lengths, return_lse=True)
     assert got_o.dtype == dtype and got_o.shape == q.shape

@@ -327,11 +327,13 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
     return config.forward_schedule(params.causal)
 
 
-def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig) -> tuple[Tiling, int, int]:
-    """The forward kernel's tiling, and the lengths it pads the queries and keys to."""
-    seq_q, seq_k = q.shape[1], k.shape[1]
+def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig, *,
+                    page_size: int | None = None, seq_k: int | None = None) -> tuple[Tiling, int, int]:
+    """The forward kernel's tiling, and the lengths it pads the queries and keys to; with
+    `page_size` (a paged cache of `seq_k` keys per batch row), key tiles within one page."""
+    seq_q, seq_k = q.shape[1], seq_k or k.shape[1]
     # Short key sequences: a smaller key tile wastes less work on padding.
-    block_kv = min(config.block_kv, common.round_up(seq_k, 64))
+    block_kv = min(config.block_kv, common.round_up(seq_k, 64), page_size or config.block_kv)
     t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     if t.bias and padded_head_dim(q.shape[3]) == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
@@ -432,18 +434,31 @@ def _backward_tilings(q, k, v, extras: Extras, params: AttentionParams, config: 
     return BackwardTilings(t, t_dq, q_len, k_len, split)
 
 
-def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig):
+def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig, page_table=None):
     """Returns o [B, Tq, H, Dv] and the natural-log lse [B, H, Tq] (-inf for rows that see no key;
-    with sinks, the sink's logit)."""
+    with sinks, the sink's logit).
+
+    With `page_table` (int32 [B, pages], the decode path's paged caches), k and v are pools of
+    pages [num_pages, page_size, Hkv, D] read in place, batch row b's keys the pages
+    page_table[b] in order; page_size a multiple of 64, kv lengths only (no other option)."""
     extras = prepare(q, k, v, extras, params, config)
-    seq_q, seq_k, v_head_dim = q.shape[1], k.shape[1], v.shape[3]
+    seq_q, v_head_dim = q.shape[1], v.shape[3]
     dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v_head_dim)
-    t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config)
     pad = common.pad_tokens
+    if page_table is None:
+        seq_k = k.shape[1]
+        t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config)
+        k, v = pad(k, k_len, dim), pad(v, k_len, v_dim)
+    else:
+        assert dim == q.shape[3] == k.shape[3] and v_dim == v_head_dim, "the pages are read in place: no padding"
+        seq_k = page_table.shape[1] * k.shape[1]
+        t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config, page_size=k.shape[1], seq_k=seq_k)
     o, lse2 = mosaic_fwd.forward(
-        pad(q, q_len, dim), pad(k, k_len, dim), pad(v, k_len, v_dim), t, _forward_schedule(config, params, t),
+        pad(q, q_len, dim), k, v, t, _forward_schedule(config, params, t),
         _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="fwd"),
-        ctas=forward_ctas(config, t, (q.shape[0], q_len, q.shape[2]), dim, v_dim, q.dtype.itemsize),
+        ctas=None if page_table is not None else forward_ctas(config, t, (q.shape[0], q_len, q.shape[2]), dim, v_dim,
+                                                              q.dtype.itemsize),
+        page_table=page_table,
     )
     return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 

@@ -272,13 +272,15 @@ def _pair_tiles(t: Tiling, n_pairs: int, n_kv: int, overlap: bool):
         return np.broadcast_to(np.asarray(hi - lo), (n_pairs,))  # a range that ignores the rows is a scalar
 
 
-def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs(), ctas: int | None = None):
+def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs(), ctas: int | None = None,
+            page_table=None):
     """Runs the forward kernel on padded inputs.
 
     Args:
       q: [B, Tqp, H, D] bf16/fp16, Tqp a multiple of 2 * t.block_q, D in (64, 128, 192, 256).
-      k: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv.
-      v: [B, Tkp, Hkv, Dv], Dv <= D (MLA: D = 192, Dv = 128).
+      k: [B, Tkp, Hkv, D], Tkp a multiple of t.block_kv; with `page_table`, a pool of pages
+        [num_pages, page_size, Hkv, D], page_size a multiple of t.block_kv.
+      v: [B, Tkp, Hkv, Dv] (or its pool of pages), Dv <= D (MLA: D = 192, Dv = 128).
       t: the tiling; t.spec holds the true lengths and the causal flag.
       schedule: "pingpong" (`synchronous_loop`) or "overlap" (`overlapped_loop`).
       optional: the ALiBi slopes (given exactly when t.alibi), the sinks (exactly when
@@ -292,6 +294,10 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         item's Q loaded while this one's output is written, and O stored from its own
         shared memory without waiting (so it must fit beside the rest:
         `backend.forward_ctas`).
+      page_table: None, or int32 [B, pages] (the decode path's paged caches): batch row b's
+        keys are the pages page_table[b] in order, Tkp = pages * page_size; the producer
+        reads each key tile's page from it and copies the tile from its page in place.
+        Entries must lie in [0, num_pages); with ranges (kv lengths), not persistent.
 
     Returns:
       o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys;
@@ -300,6 +306,12 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
     batch, q_len, heads, head_dim, k_len, kv_heads, group, dtype = common.shapes(q, k)
     v_head_dim = v.shape[3]
     block_q, block_kv = t.block_q, t.block_kv
+    paged = page_table is not None
+    if paged:
+        page_size = k.shape[1]
+        k_len, tiles_per_page = page_table.shape[1] * page_size, page_size // block_kv
+        assert page_size % block_kv == 0 and page_table.shape[0] == batch and ctas is None, (k.shape, t, ctas)
+        assert not (t.segments or t.bias), t  # their tiles are indexed by key position, not by page
     assert q_len % (COMPUTE_WGS * block_q) == 0 and k_len % block_kv == 0, (q.shape, k.shape, t)
     assert v_head_dim <= head_dim, (q.shape, v.shape)  # O is written through Q's shared memory
     assert schedule in SCHEDULES, schedule
@@ -315,7 +327,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         assert 0 < ctas <= items.total, (ctas, items)
         table = items.table(_pair_tiles(t, n_pairs, n_kv, overlap))
 
-    def kernel(q_ref, k_ref, v_ref, table_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
+    def kernel(q_ref, k_ref, v_ref, table_ref, pages_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped[:4]
         # With segments: the query tiles' ids, the ring of the key tiles' ids, their barriers.
         q_seg_smem2, kv_seg_smem, q_seg_ready, kv_seg_ready = scoped[4] if t.segments else (None,) * 4
@@ -421,9 +433,16 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 rows = pl.ds(pair * COMPUTE_WGS * block_q, COMPUTE_WGS * block_q)
                 return opt.bias_plane(b, h).at[rows, pl.ds(j * block_kv, block_kv)]
 
+            def at(j):
+                """Key tile j of batch row b: a slice of its row, or of its page."""
+                if not paged:
+                    return b, pl.ds(j * block_kv, block_kv), kv_head
+                page = pages_ref[b, lax.div(j, tiles_per_page)]
+                return page, pl.ds(lax.rem(j, tiles_per_page) * block_kv, block_kv), kv_head
+
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,
-                at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),
+                at=at,
                 lo=ring_lo, hi=ring_hi, stages=stages, block_kv=block_kv,
                 segments=(opt.kv_segment_ids, kv_seg_smem, kv_seg_ready) if t.segments else None,
                 bias=(bias_rows, bias_smem, bias_ready) if t.bias else None,
@@ -479,6 +498,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
 
     def entry(q_ref, k_ref, v_ref, *refs):
         table_ref, refs = (refs[0], refs[1:]) if persistent else (None, refs)
+        pages_ref, refs = (refs[0], refs[1:]) if paged else (None, refs)
         opt, (o_ref, lse_ref) = OptionalInputs.split(t, refs, pairs=True)
         tiles = common.smem_tiles()
         smem = (
@@ -495,7 +515,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         o_smem = (plgpu.SMEM((COMPUTE_WGS, block_q, v_head_dim), dtype, transforms=tiles),) if persistent else ()
         common.with_bias_scratch(
-            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, table_ref, opt, o_ref, lse_ref, bias, scoped),
+            lambda bias, scoped: kernel(q_ref, k_ref, v_ref, table_ref, pages_ref, opt, o_ref, lse_ref, bias, scoped),
             t, COMPUTE_WGS * block_q, block_kv, stages, dtype,
             smem, ready, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), *common.segment_scratch(t, block_q, block_kv, stages),
             *o_smem, collective_axes="wg",
@@ -505,4 +525,5 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         entry, out_type=(jax.ShapeDtypeStruct((batch, q_len, heads, v_head_dim), dtype),
                          jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
         pairs=n_pairs, heads=heads, batch=batch, kernel_name="flashjax_mosaic_fwd", ctas=ctas,
-    )(q, k, v, *((jnp.asarray(table),) if persistent else ()), *optional.inputs(t, pairs=True))
+    )(q, k, v, *((jnp.asarray(table),) if persistent else ()), *((page_table,) if paged else ()),
+      *optional.inputs(t, pairs=True))
