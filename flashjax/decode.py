@@ -93,9 +93,9 @@ def decode_attention(
       return_lse: also return the row logsumexp ``[batch, heads, q_len]`` (natural log,
         float32; ``-inf`` for queries without keys).
       backend: ``"auto"`` (default), ``"triton"`` (the split-KV kernel; interpret mode
-        without a GPU), ``"mosaic"`` (on an H100: the Hopper forward kernel on a contiguous
-        bf16/fp16 cache split in place; ``auto`` passes it by, the Triton kernel being as
-        fast) or ``"xla"`` (the reference: gathers the pages, dequantises, masks by the
+        without a GPU), ``"mosaic"`` (on an H100: the Hopper forward kernel on a bf16/fp16
+        cache split in place, contiguous or in pages of 64 keys or more; ``auto`` passes it
+        by, the Triton kernel being as fast or faster) or ``"xla"`` (the reference: gathers the pages, dequantises, masks by the
         lengths and materialises the scores). ``auto`` takes the first backend of the
         platform's order (`flashjax.backends`) whose decode path supports the call and
         does not decline it. A named backend that cannot run the call raises
