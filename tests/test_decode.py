@@ -469,23 +469,32 @@ def test_hopper_decode_splits_and_merges(rng, batch, q_len, heads, kv_heads, cap
     kv lengths per split, the merge. The forward it runs on the splits is the reference here,
     reading the pages through the table it is given (tests/test_mosaic.py runs the kernel on
     a GPU); against the oracle, with empty splits and sequences of length 0."""
+    check_hopper_decode(rng, batch, q_len, heads, kv_heads, capacity, page_size, causal, softcap, lengths, num_splits)
+
+
+def _reference_forward(q, k, v, extras, params, config, page_table=None):
+    """The Hopper backend's forward as the reference computes it, for the decode path's own
+    tests: with `page_table`, batch row r's keys are the pages page_table[r] in order."""
+    up = lambda x: x.astype(F32)
+    if page_table is not None:
+        rows, pages = page_table.shape
+        k, v = (x[page_table].reshape(rows, pages * x.shape[1], *x.shape[2:]) for x in (k, v))
+    return reference.attention(up(q), up(k), up(v), kv_lengths=extras.kv_lengths, scale=params.scale,
+                               softcap=params.softcap, causal=params.causal, return_lse=True)
+
+
+def check_hopper_decode(rng, batch, q_len, heads, kv_heads, capacity, page_size, causal, softcap, lengths, num_splits):
+    """The Hopper decode path (`kernels/mosaic/decode.py`) on `_reference_forward` against the
+    oracle: output and lse, bf16."""
     from flashjax.kernels.mosaic import decode as mosaic_decode
     from flashjax.params import DecodeParams, KVCache
-
-    def reference_forward(q, k, v, extras, params, config, page_table=None):
-        up = lambda x: x.astype(F32)
-        if page_table is not None:  # batch row r's keys: the pages page_table[r] in order
-            rows, pages = page_table.shape
-            k, v = (x[page_table].reshape(rows, pages * x.shape[1], *x.shape[2:]) for x in (k, v))
-        return reference.attention(up(q), up(k), up(v), kv_lengths=extras.kv_lengths, scale=params.scale,
-                                   softcap=params.softcap, causal=params.causal, return_lse=True)
 
     cache = make_cache(rng, batch, capacity, kv_heads, BF16, page_size=page_size)
     q = draw_q(rng, batch, q_len, heads, BF16)
     lengths = jnp.asarray(lengths, jnp.int32)
     params = DecodeParams(scale=D**-0.5, causal=causal, softcap=softcap, num_splits=num_splits, backend="mosaic")
     got_o, got_lse = mosaic_decode.decode(q, KVCache(cache.k, cache.v, lengths, cache.page_table), params,
-                                          forward=reference_forward)
+                                          forward=_reference_forward)
     want_o, want_lse = oracle(q, cache, lengths, causal=causal, softcap=softcap)
     assert got_o.dtype == q.dtype and got_o.shape == q.shape
     check_close(got_o, want_o, BF16, "o")
@@ -624,3 +633,34 @@ def test_random_combinations_match_reference(case):
     sinks = jnp.asarray(rng.normal(0.0, 2.0, case["heads"]), jnp.float32) if case["sinks"] else None
     check(q, cache, case["lengths"], num_splits=case["num_splits"], config=case["config"],
           causal=case["causal"], window=case["window"], softcap=case["softcap"], sinks=sinks)
+
+
+@st.composite
+def hopper_decode_cases(draw):
+    """A call the Hopper decode path takes: a contiguous cache of whole 128-key tiles or a
+    paged one (pages of 64-256 keys, 1-7 a sequence), lengths (0, 1 and the capacity
+    included), q_len 1 (causal or not) or more without a causal mask, the GQA ratio, softcap
+    and the number of splits (at most one a page; a count that does not divide the pages
+    pads the table), drawn together."""
+    page_size = draw(st.sampled_from([None, 64, 128, 256]))
+    capacity = 128 * draw(st.integers(1, 4)) if page_size is None else page_size * draw(st.integers(1, 7))
+    batch = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.one_of(st.sampled_from([0, 1, capacity]), st.integers(0, capacity)),
+                            min_size=batch, max_size=batch))
+    q_len = draw(st.sampled_from([1, 1, 3]))
+    heads, kv_heads = draw(st.sampled_from([(4, 2), (4, 1), (2, 2), (8, 2)]))
+    return dict(batch=batch, q_len=q_len, heads=heads, kv_heads=kv_heads, capacity=capacity, page_size=page_size,
+                causal=q_len == 1 and draw(st.booleans()), softcap=draw(st.sampled_from([None, 20.0])),
+                lengths=lengths, num_splits=draw(st.sampled_from([None, 1, 2, 3, 5, 9])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+@given(case=hopper_decode_cases())
+def test_hopper_decode_random_splits(case):
+    """The Hopper decode path's splitting, table cutting and merge on random caches, lengths
+    and split counts, against the oracle (the forward on the splits is the reference)."""
+    note(repr(case))
+    case = dict(case)
+    check_hopper_decode(np.random.default_rng(case.pop("seed")), **case)
