@@ -183,3 +183,25 @@ def test_kernel_rescales_kept_weights(key):
     assert abs(rows.mean() - 1.0) < 4 * se, f"mean output {rows.mean():.5f}, 1 +- {4 * se:.5f}"
     ratio = rows.var(ddof=1) / per_row_var
     assert abs(ratio - 1) < 4 * math.sqrt(2 / (rows.size - 1)) * 1.5, f"per-row variance is {ratio:.3f}x the binomial's"
+
+
+def test_keep_bits_are_lowbias32_of_each_pair():
+    """`keep_bits` folds the hash's first step per row and per column; the bits must be those
+    of lowbias32(row hash ^ col) per pair, as written in full here (positions past 2**16 and
+    2**24 included, where the column's own fold is not a no-op)."""
+    def lowbias32(x):
+        x = (x ^ (x >> 16)) * np.uint64(0x7FEB352D) % 2**32
+        x = (x ^ (x >> 15)) * np.uint64(0x846CA68B) % 2**32
+        return x ^ (x >> 16)
+
+    rng = np.random.default_rng(0)
+    base = np.uint64(rng.integers(0, 2**32))
+    rows = np.concatenate([np.arange(5), rng.integers(0, 2**31, 60), [2**16 - 1, 2**16, 2**24 + 7]]).astype(np.int64)
+    cols = np.concatenate([np.arange(5), rng.integers(0, 2**31, 60), [2**16 - 1, 2**16, 2**24 + 7]]).astype(np.int64)
+    threshold = dropout.keep_threshold(0.37)
+    row_hash = lowbias32(base ^ (rows.astype(np.uint64) * np.uint64(0x9E3779B9) % 2**32))
+    want = lowbias32(row_hash[:, None] ^ cols.astype(np.uint64)[None, :]) >> 8 >= threshold
+    got = dropout.tile_keep(jnp.uint32(int(base)), jnp.asarray(rows, jnp.int32)[:, None],
+                            jnp.asarray(cols, jnp.int32)[None, :], threshold)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert 0.5 < want.mean() < 0.75  # both outcomes occur: the check is not vacuous
