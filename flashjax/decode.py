@@ -94,7 +94,7 @@ def decode_attention(
         float32; ``-inf`` for queries without keys).
       backend: ``"auto"`` (default), ``"triton"`` (the split-KV kernel; interpret mode
         without a GPU), ``"mosaic"`` (on an H100: the Hopper forward kernel on a bf16/fp16
-        cache split in place, contiguous or in pages of 64 keys or more; ``auto`` passes it
+        cache split in place, contiguous or in pages of a multiple of 64 keys; ``auto`` passes it
         by, the Triton kernel being as fast or faster) or ``"xla"`` (the reference: gathers the pages, dequantises, masks by the
         lengths and materialises the scores). ``auto`` takes the first backend of the
         platform's order (`flashjax.backends`) whose decode path supports the call and

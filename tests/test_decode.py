@@ -429,7 +429,8 @@ def test_choice():
 
 
 HOPPER_DECODE_REFUSALS = [
-    (dict(page_size=16), "page_size 16"), (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
+    (dict(page_size=16), "page_size 16"), (dict(page_size=96), "page_size 96"),
+    (dict(cache_dtype=jnp.dtype(FP8)), "float8_e4m3fn cache"),
     (dict(window=(64, None)), "a window"), (dict(q_len=4, causal=True), "causal with q_len 4"),
     (dict(capacity=1000), "no multiple of 128"), (dict(head_dim=96), "head_dim 96"),
     (dict(v_head_dim=32), "v head_dim 32 != head_dim 64"), (dict(v_head_dim=32, latent=True), "a latent cache"),
@@ -445,7 +446,8 @@ def test_hopper_decode_refusals(overrides, reason):
     call = _call(platform="gpu", compute_capability="9.0", **overrides)
     assert any(reason in r for r in mosaic_decode.supports(call)), mosaic_decode.supports(call)
     assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", q_len=4, causal=False)) == []
-    assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", page_size=64)) == []
+    for page_size in (64, 192, 256):
+        assert mosaic_decode.supports(_call(platform="gpu", compute_capability="9.0", page_size=page_size)) == []
 
 
 # (batch, q_len, heads, kv_heads, capacity, page_size, causal, softcap, lengths, num_splits)
@@ -638,11 +640,11 @@ def test_random_combinations_match_reference(case):
 @st.composite
 def hopper_decode_cases(draw):
     """A call the Hopper decode path takes: a contiguous cache of whole 128-key tiles or a
-    paged one (pages of 64-256 keys, 1-7 a sequence), lengths (0, 1 and the capacity
+    paged one (pages of 64-256 keys, 192 among them, 1-7 a sequence), lengths (0, 1 and the capacity
     included), q_len 1 (causal or not) or more without a causal mask, the GQA ratio, softcap
     and the number of splits (at most one a page; a count that does not divide the pages
     pads the table), drawn together."""
-    page_size = draw(st.sampled_from([None, 64, 128, 256]))
+    page_size = draw(st.sampled_from([None, 64, 128, 192, 256]))
     capacity = 128 * draw(st.integers(1, 4)) if page_size is None else page_size * draw(st.integers(1, 7))
     batch = draw(st.integers(1, 3))
     lengths = draw(st.lists(st.one_of(st.sampled_from([0, 1, capacity]), st.integers(0, capacity)),

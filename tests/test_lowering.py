@@ -364,7 +364,7 @@ def test_decode_head_dims_lower_to_triton_for_sm90(fake_h100, head_dim, v_head_d
 
 @pytest.mark.parametrize("q_len,causal,head_dim,page_size", [(1, True, 128, None), (5, False, 128, None),
                                                              (1, True, 192, None), (1, True, 128, 64),
-                                                             (3, False, 64, 256)])
+                                                             (3, False, 64, 256), (1, True, 128, 192)])
 def test_mosaic_decode_lowers_for_sm90(q_len, causal, head_dim, page_size):
     """The Hopper decode path (the forward kernel on the cache split into batch rows, a paged
     cache's pages read through its table) lowers for sm_90 and reads the cache in place: one

@@ -330,10 +330,13 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
 def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig, *,
                     page_size: int | None = None, seq_k: int | None = None) -> tuple[Tiling, int, int]:
     """The forward kernel's tiling, and the lengths it pads the queries and keys to; with
-    `page_size` (a paged cache of `seq_k` keys per batch row), key tiles within one page."""
+    `page_size` (a paged cache of `seq_k` keys per batch row, a multiple of 64), key tiles
+    that divide a page."""
     seq_q, seq_k = q.shape[1], seq_k or k.shape[1]
     # Short key sequences: a smaller key tile wastes less work on padding.
-    block_kv = min(config.block_kv, common.round_up(seq_k, 64), page_size or config.block_kv)
+    block_kv = min(config.block_kv, common.round_up(seq_k, 64))
+    if page_size is not None:
+        block_kv = math.gcd(block_kv, page_size)
     t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     if t.bias and padded_head_dim(q.shape[3]) == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at

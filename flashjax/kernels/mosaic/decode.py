@@ -12,8 +12,9 @@ reads each K/V byte once for the whole group, and the splits merge exactly throu
 lse (`kernels.common.merge`, as the Triton decode path and the ring do).
 
 Serves the decode step itself (q_len 1; or any q_len without a causal mask): a causal
-mask aligned to each sequence's own length, a window, a float8 cache or pages of fewer
-than 64 keys go to the Triton decode kernel. Forward only, like every decode path.
+mask aligned to each sequence's own length, a window, a float8 cache or pages that are
+no multiple of 64 keys go to the Triton decode kernel. Forward only, like every decode
+path.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ __all__ = ["supports", "declines", "decode", "splits"]
 # The cache is split into whole key tiles of this many keys (the forward's key tile): a
 # split that is no multiple of it would make the forward pad, that is copy, the cache.
 SPLIT_MULTIPLE = 128
-# A paged cache's key tile lies within one page (a TMA copy of a slice of it): pages of at
-# least wgmma's 64 rows.
-MIN_PAGE_SIZE = 64
+# A paged cache's key tile lies within one page (a TMA copy of a slice of it) and is 64 or
+# 128 keys: pages of a multiple of 64 keys.
+PAGE_MULTIPLE = 64
 
 
 def supports(call: DecodeCall) -> list[str]:
@@ -40,8 +41,9 @@ def supports(call: DecodeCall) -> list[str]:
     reasons = device_reasons(call.platform, call.compute_capability, call.dtype, "queries")
     if jnp.dtype(call.cache_dtype) != jnp.dtype(call.dtype):
         reasons.append(f"a {jnp.dtype(call.cache_dtype).name} cache with {jnp.dtype(call.dtype).name} queries")
-    if call.page_size is not None and call.page_size < MIN_PAGE_SIZE:
-        reasons.append(f"page_size {call.page_size} (a key tile lies within one page: at least {MIN_PAGE_SIZE} keys)")
+    if call.page_size is not None and call.page_size % PAGE_MULTIPLE:
+        reasons.append(f"page_size {call.page_size} (key tiles of 64 or 128 keys lie within one page: a multiple of "
+                       f"{PAGE_MULTIPLE})")
     if call.head_dim not in HEAD_DIMS:
         reasons.append(f"head_dim {call.head_dim} (the cache is read in place: {', '.join(map(str, HEAD_DIMS))})")
     if call.latent:
@@ -99,8 +101,7 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     paged = cache.page_table is not None
     page_size = cache.k.shape[1] if paged else None
     capacity = cache.page_table.shape[1] * page_size if paged else cache.k.shape[1]
-    assert (page_size or 0) >= MIN_PAGE_SIZE if paged else capacity % SPLIT_MULTIPLE == 0, \
-        "supports() declines these caches"
+    assert page_size % PAGE_MULTIPLE == 0 if paged else capacity % SPLIT_MULTIPLE == 0, "supports() declines these caches"
     assert params.window is None and not (params.causal and q_len > 1), "supports() declines these options"
     group = heads // kv_heads
     rows = q_len * group
