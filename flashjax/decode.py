@@ -94,9 +94,10 @@ def decode_attention(
         float32; ``-inf`` for queries without keys).
       backend: ``"auto"`` (default), ``"triton"`` (the split-KV kernel; interpret mode
         without a GPU), ``"mosaic"`` (on an H100: the Hopper forward kernel on a bf16/fp16
-        cache split in place, contiguous or in pages of a multiple of 64 keys; ``auto`` passes it
-        by, the Triton kernel being as fast or faster) or ``"xla"`` (the reference: gathers the pages, dequantises, masks by the
-        lengths and materialises the scores). ``auto`` takes the first backend of the
+        cache split in place, contiguous or in pages of a multiple of 64 keys; ``auto``
+        passes it by, the Triton kernel being as fast or faster) or ``"xla"`` (the
+        reference: gathers the pages, dequantises, masks by the lengths and materialises
+        the scores). ``auto`` takes the first backend of the
         platform's order (`flashjax.backends`) whose decode path supports the call and
         does not decline it. A named backend that cannot run the call raises
         ``NotImplementedError`` with its reasons.

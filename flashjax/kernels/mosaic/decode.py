@@ -101,7 +101,8 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     paged = cache.page_table is not None
     page_size = cache.k.shape[1] if paged else None
     capacity = cache.page_table.shape[1] * page_size if paged else cache.k.shape[1]
-    assert page_size % PAGE_MULTIPLE == 0 if paged else capacity % SPLIT_MULTIPLE == 0, "supports() declines these caches"
+    assert page_size % PAGE_MULTIPLE == 0 if paged else capacity % SPLIT_MULTIPLE == 0, \
+        "supports() declines these caches"
     assert params.window is None and not (params.causal and q_len > 1), "supports() declines these options"
     group = heads // kv_heads
     rows = q_len * group
