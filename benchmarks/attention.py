@@ -211,10 +211,11 @@ def impl_fn(cell: Cell, overrides: dict | None = None):
     import jax.numpy as jnp
 
     causal, scale = cell.causal, cell.scale
-    if cell.impl.removesuffix(AB) in FLASHJAX_BACKENDS:
+    base = cell.impl.removesuffix(AB)
+    if base in FLASHJAX_BACKENDS:
         import flashjax
 
-        backend = FLASHJAX_BACKENDS[cell.impl.removesuffix(AB)][0]
+        backend = FLASHJAX_BACKENDS[base][0]
         config = flashjax_config(cell.impl, cell.head_dim, overrides)
         q = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.heads, cell.head_dim), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((cell.batch, cell.seq, cell.kv_heads, cell.head_dim), jnp.bfloat16)

@@ -327,16 +327,20 @@ def _forward_schedule(config: MosaicConfig, params: AttentionParams, t: Tiling) 
     return config.forward_schedule(params.causal)
 
 
-def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig, *,
-                    page_size: int | None = None, seq_k: int | None = None) -> tuple[Tiling, int, int]:
+def _key_length(k, page_table) -> int:
+    """Keys per batch row: k's, or with a page table (k a pool of pages) its pages' keys."""
+    return k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
+
+
+def _forward_tiling(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConfig,
+                    page_table=None) -> tuple[Tiling, int, int]:
     """The forward kernel's tiling, and the lengths it pads the queries and keys to; with
-    `page_size` (a paged cache of `seq_k` keys per batch row, a multiple of 64), key tiles
-    that divide a page."""
-    seq_q, seq_k = q.shape[1], seq_k or k.shape[1]
+    `page_table` (k a pool of pages of a multiple of 64 keys), key tiles that divide a page."""
+    seq_q, seq_k = q.shape[1], _key_length(k, page_table)
     # Short key sequences: a smaller key tile wastes less work on padding.
     block_kv = min(config.block_kv, common.round_up(seq_k, 64))
-    if page_size is not None:
-        block_kv = math.gcd(block_kv, page_size)
+    if page_table is not None:
+        block_kv = math.gcd(block_kv, k.shape[1])
     t = _tiling(params, extras, seq_q, seq_k, config.block_q, block_kv, config.stages)
     if t.bias and padded_head_dim(q.shape[3]) == 128 and t.block_kv > 64:
         # The bias ring beside the K/V ring: 128-key tiles of both exceed shared memory at
@@ -445,17 +449,14 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     pages [num_pages, page_size, Hkv, D] read in place, batch row b's keys the pages
     page_table[b] in order; page_size a multiple of 64, kv lengths only (no other option)."""
     extras = prepare(q, k, v, extras, params, config)
-    seq_q, v_head_dim = q.shape[1], v.shape[3]
+    seq_q, seq_k, v_head_dim = q.shape[1], _key_length(k, page_table), v.shape[3]
     dim, v_dim = padded_head_dim(q.shape[3]), padded_head_dim(v_head_dim)
     pad = common.pad_tokens
+    t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config, page_table)
     if page_table is None:
-        seq_k = k.shape[1]
-        t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config)
         k, v = pad(k, k_len, dim), pad(v, k_len, v_dim)
     else:
         assert dim == q.shape[3] == k.shape[3] and v_dim == v_head_dim, "the pages are read in place: no padding"
-        seq_k = page_table.shape[1] * k.shape[1]
-        t, q_len, k_len = _forward_tiling(q, k, v, extras, params, config, page_size=k.shape[1], seq_k=seq_k)
     o, lse2 = mosaic_fwd.forward(
         pad(q, q_len, dim), k, v, t, _forward_schedule(config, params, t),
         _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="fwd"),
