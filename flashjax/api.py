@@ -122,8 +122,9 @@ def flash_attention(
         differentiable. Rows past ``q_lengths`` are padding and get no sink.
       dropout_rate, dropout_rng: dropout on the attention probabilities, drawn in the
         kernel from a counter-based hash of (seed, batch, head, row, column), so the
-        backward regenerates the same mask and nothing N x N is stored. The rate is a
-        static Python number; the rng a ``jax.random`` key.
+        backward regenerates the same mask and nothing N x N is stored (16 random bits
+        per weight: the rate is drawn as a multiple of 2**-16). The rate is a static
+        Python number; the rng a ``jax.random`` key.
       broadcast_dropout: one dropout mask shared by every batch row and head
         (Flax's ``broadcast_dropout=True``).
       float32_residual: keep the output in float32 for the backward (4 bytes per output

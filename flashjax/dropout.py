@@ -8,8 +8,12 @@ and in the reference, and both see bit-identical masks.
 
 The hash is "lowbias32" (Chris Wellons' integer hash, a MurmurHash3-style
 finaliser with better avalanche); a row hash and a column hash are chained so
-that every (row, col) pair gets an independent 32-bit draw without a 64-bit
-counter.
+that every (row, pair of columns) gets an independent 32-bit draw without a 64-bit
+counter. Keys k and k + 64 of each 128-key block share a draw and take one 16-bit
+half each (`PAIR_BLOCK`): a kernel whose tile holds both keys in one thread's
+registers (the Hopper forward and dQ kernels, 128-key tiles) hashes once per two
+weights; the others draw per key and pick the half, the same bits. The drop rate
+is rounded to a multiple of 2**-16.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["seed_words", "keep_mask", "tile_keep", "keep_threshold"]
+__all__ = ["seed_words", "keep_mask", "tile_keep", "keep_threshold", "PAIR_BLOCK"]
 
 _GOLDEN = 0x9E3779B9
+# Keys k and k + PAIR_BLOCK // 2 of each PAIR_BLOCK-key block (aligned) share a 32-bit draw:
+# the first takes its low 16 bits, the second its high 16 bits.
+PAIR_BLOCK = 128
 
 
 def _u32(x):
@@ -48,8 +55,9 @@ def hash32(x):
 
 
 def keep_threshold(rate: float) -> int:
-    """An element is kept when its top 24 random bits are >= this (P(keep) = 1 - rate)."""
-    return int(round(rate * (1 << 24)))
+    """An element is kept when its 16 random bits are >= this (P(keep) = 1 - rate, the rate
+    rounded to a multiple of 2**-16, at most 1 - 2**-16)."""
+    return min(int(round(rate * (1 << 16))), (1 << 16) - 1)
 
 
 def seed_words(rng):
@@ -69,21 +77,38 @@ def row_keys(base, rows):
 
 
 def column_words(cols):
-    """Key positions `cols` (int32) folded (`_fold`) for `keep_bits`."""
-    return _fold(_u32(cols))
+    """Key positions `cols` (int32) as their pair's column, (k // 128) * 64 + k % 64,
+    folded (`_fold`) for `keep_bits`."""
+    cols = _u32(cols)
+    half = PAIR_BLOCK // 2
+    return _fold((cols >> 1) & jnp.uint32(-half & 0xFFFFFFFF) | cols & jnp.uint32(half - 1))
 
 
-def keep_bits(row_key, column_word, threshold: int):
-    """Keep mask for `row_keys` and `column_words` that broadcast together: the top bits of
-    hash32(row hash ^ col), its first fold done per row and per column rather than per pair."""
+def column_shifts(cols):
+    """Per key position: 16 for the low half of its pair's draw, 0 for the high half."""
+    return jnp.where(_u32(cols) & jnp.uint32(PAIR_BLOCK // 2) == 0, jnp.uint32(16), jnp.uint32(0))
+
+
+def keep_bits(row_key, column_word, column_shift, threshold: int):
+    """Keep mask for `row_keys`, `column_words` and `column_shifts` that broadcast together:
+    the key's 16 bits of hash32(row hash ^ pair column) against the threshold, the hash's
+    first fold done per row and per column. The key's half is shifted to the top, where
+    comparing the whole word compares its 16 bits."""
     bits = _mix(row_key ^ column_word)
-    # (bits >> 8) >= threshold, one shift fewer: the threshold is below 2**24.
-    return bits >= jnp.uint32(threshold << 8)
+    return bits << column_shift >= jnp.uint32(threshold << 16)
+
+
+def keep_pair(row_key, column_word, threshold: int):
+    """(keep of the pair's first key, keep of its second) for `row_keys` and the pair's
+    `column_words`: one hash for both."""
+    bits = _mix(row_key ^ column_word)
+    top = jnp.uint32(threshold << 16)
+    return bits << 16 >= top, bits >= top
 
 
 def tile_keep(base, rows, cols, threshold: int):
     """Keep mask for positions rows [bq, 1] x cols [1, bk] (int32) of one (batch, head) stream."""
-    return keep_bits(row_keys(base, rows), column_words(cols), threshold)
+    return keep_bits(row_keys(base, rows), column_words(cols), column_shifts(cols), threshold)
 
 
 def keep_mask(seed, rate: float, batch: int, heads: int, seq_q: int, seq_k: int, *, broadcast: bool = False,

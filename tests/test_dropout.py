@@ -153,6 +153,8 @@ def test_keep_mask_statistics(rate, key):
         "adjacent rows": (keep[:, :, :-1, :], keep[:, :, 1:, :]),
         "adjacent columns": (keep[..., :-1], keep[..., 1:]),
         "rows 2^k apart": (keep[:, :, :128, :], keep[:, :, 128:, :]),
+        # Keys k and k + 64 of a 128-key block take the two halves of one draw.
+        "keys sharing a draw": (keep[..., :64], keep[..., 64:128]),
         "heads": (keep[:, 0], keep[:, 1]),
         "batch rows": (keep[0], keep[1]),
         "transpose": (keep, keep.swapaxes(2, 3)),
@@ -187,8 +189,10 @@ def test_kernel_rescales_kept_weights(key):
 
 def test_keep_bits_are_lowbias32_of_each_pair():
     """`keep_bits` folds the hash's first step per row and per column; the bits must be those
-    of lowbias32(row hash ^ col) per pair, as written in full here (positions past 2**16 and
-    2**24 included, where the column's own fold is not a no-op)."""
+    of lowbias32(row hash ^ pair column) per (row, key pair), written in full here: keys k and
+    k + 64 of a 128-key block share the draw of pair column (k // 128) * 64 + k % 64, the
+    first taking its low 16 bits, the second its high 16 (positions past 2**16 and 2**24
+    included, where the column's own fold is not a no-op)."""
     def lowbias32(x):
         x = (x ^ (x >> 16)) * np.uint64(0x7FEB352D) % 2**32
         x = (x ^ (x >> 15)) * np.uint64(0x846CA68B) % 2**32
@@ -196,12 +200,36 @@ def test_keep_bits_are_lowbias32_of_each_pair():
 
     rng = np.random.default_rng(0)
     base = np.uint64(rng.integers(0, 2**32))
-    rows = np.concatenate([np.arange(5), rng.integers(0, 2**31, 60), [2**16 - 1, 2**16, 2**24 + 7]]).astype(np.int64)
-    cols = np.concatenate([np.arange(5), rng.integers(0, 2**31, 60), [2**16 - 1, 2**16, 2**24 + 7]]).astype(np.int64)
+    special = [2**16 - 1, 2**16, 2**16 + 64, 2**24 + 7, 2**24 + 71]
+    rows = np.concatenate([np.arange(5), rng.integers(0, 2**31, 60), special]).astype(np.int64)
+    cols = np.concatenate([np.arange(130), rng.integers(0, 2**31, 60), special]).astype(np.int64)
     threshold = dropout.keep_threshold(0.37)
     row_hash = lowbias32(base ^ (rows.astype(np.uint64) * np.uint64(0x9E3779B9) % 2**32))
-    want = lowbias32(row_hash[:, None] ^ cols.astype(np.uint64)[None, :]) >> 8 >= threshold
+    pair = ((cols // 128) * 64 + cols % 64).astype(np.uint64)
+    draw = lowbias32(row_hash[:, None] ^ pair[None, :])
+    bits = np.where((cols // 64) % 2 == 1, draw >> 16, draw & 0xFFFF)
+    want = bits >= threshold
     got = dropout.tile_keep(jnp.uint32(int(base)), jnp.asarray(rows, jnp.int32)[:, None],
                             jnp.asarray(cols, jnp.int32)[None, :], threshold)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert 0.5 < want.mean() < 0.75  # both outcomes occur: the check is not vacuous
+
+
+def test_keep_pair_draws_the_bits_of_both_keys(key):
+    """`keep_pair` (one hash per pair, the Hopper forward and dQ kernels' path over 128-key
+    tiles) gives the per-key bits of `tile_keep` for keys k and k + 64 of each block."""
+    base = dropout.stream_base(*dropout.seed_words(key), 3)
+    rows = jnp.arange(40, dtype=jnp.int32)[:, None] + 1000
+    for start in (0, 128, 2**24):
+        first = start + jnp.arange(64, dtype=jnp.int32)[None, :]
+        threshold = dropout.keep_threshold(0.3)
+        low, high = dropout.keep_pair(dropout.row_keys(base, rows), dropout.column_words(first), threshold)
+        want = dropout.tile_keep(base, rows, start + jnp.arange(128, dtype=jnp.int32)[None, :], threshold)
+        np.testing.assert_array_equal(np.concatenate([low, high], axis=1), np.asarray(want))
+
+
+def test_keep_threshold_rounds_the_rate_to_16_bits():
+    assert dropout.keep_threshold(0.0) == 0
+    assert dropout.keep_threshold(0.5) == 2**15
+    assert dropout.keep_threshold(0.1) == round(0.1 * 2**16)
+    assert dropout.keep_threshold(1 - 2**-20) == 2**16 - 1  # never a threshold that drops every key

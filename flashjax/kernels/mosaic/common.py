@@ -658,12 +658,25 @@ def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = 
     key positions, the same bits as the Triton kernels' and the reference's, for the dropout
     `stream` (`OptionalInputs.dropout_stream`). The row keys are hashed once per query row,
     in the layout of the tile's query dim, the key positions folded once per column, then
-    both broadcast."""
+    both broadcast. Keys k and k + 64 of a 128-key block share one draw (`dropout.PAIR_BLOCK`);
+    in the wgmma layout one thread holds both, so a tile of whole blocks along its columns
+    (`k_start` a multiple of 128) hashes once per pair and joins the halves' masks (a
+    concatenation of registers)."""
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    threshold = dropout.keep_threshold(t.dropout_rate)
     row_keys = dropout.row_keys(stream, _position_vector(shape, q_dim, q_start))
-    column_words = dropout.column_words(_position_vector(shape, k_dim, k_start))
-    return dropout.keep_bits(lax.broadcast_in_dim(row_keys, shape, [q_dim]),
-                             lax.broadcast_in_dim(column_words, shape, [k_dim]), dropout.keep_threshold(t.dropout_rate))
+    if transposed or shape[k_dim] % dropout.PAIR_BLOCK:
+        keys = _position_vector(shape, k_dim, k_start)
+        along = lambda x: lax.broadcast_in_dim(x, shape, [k_dim])
+        return dropout.keep_bits(lax.broadcast_in_dim(row_keys, shape, [q_dim]), along(dropout.column_words(keys)),
+                                 along(dropout.column_shifts(keys)), threshold)
+    half = (shape[0], dropout.PAIR_BLOCK // 2)
+    row_keys = lax.broadcast_in_dim(row_keys, half, [0])
+    parts = []
+    for block in range(shape[1] // dropout.PAIR_BLOCK):
+        first_keys = _position_vector(half, 1, k_start + block * dropout.PAIR_BLOCK)
+        parts += dropout.keep_pair(row_keys, lax.broadcast_in_dim(dropout.column_words(first_keys), half, [1]), threshold)
+    return jnp.concatenate(parts, axis=1)
 
 
 def drop(x, t: Tiling, keep):
