@@ -104,9 +104,8 @@ def _scores_t(slot, smem):
 def _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t: Tiling):
     """dS^T = P^T (dP^T - delta) (dP^T through dropout's keep mask), carried through the
     softcap and score_mod: d loss / d (scale * q.k); the scale enters dK and dQ once, at the end."""
-    dp_t = common.drop(dp_t, t, keep_t)
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-    ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    ds_t = p_t * common.dp_minus_delta(dp_t, lax.broadcast_in_dim(delta, dp_t.shape, [1]), t, keep_t)
     return common.logit_grad(ds_t, dlogits_t, t)
 
 
@@ -133,7 +132,7 @@ def _ds_and_dv_operand(i, slot, smem, *, k_start, masked: bool, t: Tiling, **sco
     (p_t, dlogits_t, keep_t), dp_t = pl.run_scoped(scores_and_dp, plgpu.ACC(shape, jnp.float32),
                                                    plgpu.ACC(shape, jnp.float32))
     ds_t = _ds_t(p_t, dp_t, dlogits_t, keep_t, delta_smem, slot, t)
-    return ds_t, common.drop(p_t, t, keep_t).astype(q_smem.dtype)
+    return ds_t, common.drop(p_t, keep_t).astype(q_smem.dtype)
 
 
 def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring):
@@ -151,7 +150,7 @@ def _dv_and_ds(dv, i, slot, smem, *, k_start, masked: bool, t: Tiling, **scoring
     def dv_dp(refs):
         # One block for both products: a single wgmma wait.
         dv_ref, dp_ref = refs
-        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])  # dV += P^T dO
+        plgpu.wgmma(dv_ref, common.drop(p_t, keep_t).astype(q_smem.dtype), do_smem.at[slot])  # dV += P^T dO
         plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))  # dP^T = V dO^T
 
     dv, dp_t = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(common.zeros((block_kv, block_q)))))
@@ -170,7 +169,7 @@ def _dv_and_pd(dv, i, slot, smem, pd_smem, pd_ready, *, k_start, masked: bool, t
     plgpu.barrier_arrive(pd_ready.at[slot])
 
     def dv_(dv_ref):
-        plgpu.wgmma(dv_ref, common.drop(p_t, t, keep_t).astype(q_smem.dtype), do_smem.at[slot])
+        plgpu.wgmma(dv_ref, common.drop(p_t, keep_t).astype(q_smem.dtype), do_smem.at[slot])
 
     return pl.run_state(dv_)(plgpu.ACC.init(dv))
 
@@ -182,12 +181,11 @@ def _dk_from_pd(dk, i, slot, smem, pd_smem, pd_ready, *, k_start, t: Tiling, str
     k_smem, v_smem, q_smem, do_smem, _, delta_smem = smem
     block_kv, block_q = k_smem.shape[0], q_smem.shape[1]
     dp_t = common.product(v_smem, do_smem.at[slot].transpose((1, 0)), (block_kv, block_q))
-    if stream is not None:
-        dp_t = common.drop(dp_t, t, common.keep_mask(t, stream, dp_t.shape, i * block_q, k_start, transposed=True))
+    keep_t = None if stream is None else common.keep_mask(t, stream, dp_t.shape, i * block_q, k_start, transposed=True)
     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
     plgpu.barrier_wait(pd_ready.at[slot])
     pd_t = plgpu.load(pd_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    ds_t = pd_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+    ds_t = pd_t * common.dp_minus_delta(dp_t, lax.broadcast_in_dim(delta, dp_t.shape, [1]), t, keep_t)
 
     def dk_(dk_ref):
         plgpu.wgmma(dk_ref, ds_t.astype(q_smem.dtype), q_smem.at[slot])  # dK += dS^T Q
@@ -341,7 +339,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
             if not split:
                 dk, dv = walk("both")
-                _store_grads((dk * t.scale, dv), (k_smem, v_smem), (dk_ref.at[at], dv_ref.at[at]))
+                # (Dropout's keep scale enters dV once, here, not with each kept weight.)
+                _store_grads((dk * t.scale, common.scale_kept_sum(dv, t)), (k_smem, v_smem),
+                             (dk_ref.at[at], dv_ref.at[at]))
                 return
             for role_wg, role in enumerate(("dv", "dk")):
 
@@ -353,7 +353,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                     plgpu.barrier_arrive(kv_done)
                     plgpu.barrier_wait(kv_done)
                     if role == "dv":
-                        _store_grads((grad,), (v_smem,), (dv_ref.at[at],))
+                        _store_grads((common.scale_kept_sum(grad, t),), (v_smem,), (dv_ref.at[at],))
                     else:
                         _store_grads((grad * t.scale,), (k_smem,), (dk_ref.at[at],))
 
@@ -506,9 +506,9 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                     # dP = dO V^T
                     dp = common.product(do_smem, v_smem.at[v_slot].transpose((1, 0)), (block_q, block_kv))
                 plgpu.barrier_arrive(v_free.at[v_slot])
-                if stream is not None:
-                    dp = common.drop(dp, t, common.keep_mask(t, stream, dp.shape, q_start, j * block_kv))
-                ds = common.logit_grad(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])), dlogits, t)
+                keep = None if stream is None else common.keep_mask(t, stream, dp.shape, q_start, j * block_kv)
+                ds = common.logit_grad(p * common.dp_minus_delta(dp, lax.broadcast_in_dim(delta, dp.shape, [0]), t, keep),
+                                       dlogits, t)
 
                 def dq_(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])  # dQ += dS K

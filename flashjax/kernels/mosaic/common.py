@@ -679,10 +679,29 @@ def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = 
     return jnp.concatenate(parts, axis=1)
 
 
-def drop(x, t: Tiling, keep):
-    """x through dropout: kept entries (`keep_mask`) times `Tiling.keep_scale`, dropped ones 0;
-    x itself when `keep` is None."""
-    return x if keep is None else jnp.where(keep, x * t.keep_scale, 0.0)
+def drop(x, keep):
+    """The kept entries of x (`keep_mask`), dropped ones 0; x itself when `keep` is None.
+    Unscaled: the kernels apply `Tiling.keep_scale` to what the products of the kept weights
+    sum (the forward's output, dV) once, not to every weight (`dropout_scale`)."""
+    return x if keep is None else jnp.where(keep, x, 0.0)
+
+
+def dropout_scale(t: Tiling) -> float:
+    """The factor of sums over kept weights (`drop`): `Tiling.keep_scale` with dropout, else 1."""
+    return t.keep_scale if t.dropout_rate > 0.0 else 1.0
+
+
+def scale_kept_sum(x, t: Tiling):
+    """x, a sum over kept weights (`drop`), times `Tiling.keep_scale`; x itself without dropout."""
+    return x * t.keep_scale if t.dropout_rate > 0.0 else x
+
+
+def dp_minus_delta(dp, delta, t: Tiling, keep):
+    """dP - delta with dP through dropout (kept entries times `Tiling.keep_scale`, dropped
+    ones 0), in one fused multiply-add per kept entry; delta broadcast to dP's shape."""
+    if keep is None:
+        return dp - delta
+    return jnp.where(keep, dp * t.keep_scale - delta, -delta)
 
 
 def segment_scratch(t: Tiling, own_rows: int, streamed: int, stages: int) -> tuple:

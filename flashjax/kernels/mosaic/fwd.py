@@ -100,7 +100,7 @@ class _Consumer(NamedTuple):
         take them undropped), in the inputs' dtype."""
         if self.drop_stream is not None:
             keep = common.keep_mask(self.t, self.drop_stream, p.shape, self.q_start, j * self.t.block_kv)
-            p = common.drop(p, self.t, keep)
+            p = common.drop(p, keep)
         return p.astype(self.q_smem.dtype)
 
     def bias(self, slot):
@@ -408,7 +408,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf (with sinks
             # l = 1 and acc = 0: o = 0 and lse = the sink's logit).
             l_safe = jnp.where(l == 0.0, 1.0, l)
-            acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+            # (Dropout's keep scale applied here once, not to each kept weight.)
+            acc = acc * lax.broadcast_in_dim(common.dropout_scale(t) / l_safe, acc.shape, [0])
             if persistent:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output is out of o_smem
             else:
