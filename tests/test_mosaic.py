@@ -694,6 +694,8 @@ DECODE_CASES = [
     pytest.param(1, 1, 8, 8, 256, 2048, None, True, [1500], id="b1-q1-mha-d256"),
     pytest.param(4, 1, 32, 8, 128, 2496, 64, True, [0, 1, 65, 2496], id="paged64-b4-q1-gqa4-d128"),
     pytest.param(3, 2, 8, 2, 64, 2048, 256, False, [1, 700, 2048], id="paged256-b3-q2-gqa4-d64-full"),
+    # 192-key pages: 64-key tiles (gcd(128, 192)), three a page.
+    pytest.param(4, 1, 16, 4, 128, 1920, 192, True, [0, 191, 193, 1920], id="paged192-b4-q1-gqa4-d128"),
 ]
 
 
