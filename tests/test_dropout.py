@@ -154,7 +154,7 @@ def test_keep_mask_statistics(rate, key):
         "adjacent columns": (keep[..., :-1], keep[..., 1:]),
         "rows 2^k apart": (keep[:, :, :128, :], keep[:, :, 128:, :]),
         # Keys k and k + 64 of a 128-key block take the two halves of one draw.
-        "keys sharing a draw": (keep[..., :64], keep[..., 64:128]),
+        "keys sharing a draw": tuple(keep.reshape(*keep.shape[:-1], -1, 2, 64)[..., half, :] for half in (0, 1)),
         "heads": (keep[:, 0], keep[:, 1]),
         "batch rows": (keep[0], keep[1]),
         "transpose": (keep, keep.swapaxes(2, 3)),
