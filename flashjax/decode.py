@@ -211,10 +211,8 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
 @functools.partial(jax.jit, static_argnums=3)
 def _decode(q, cache: KVCache, sinks, params: DecodeParams):
     # Traced values escape the API's checks: keep every read inside the cache.
-    if cache.page_table is None:
-        lengths = jnp.clip(cache.lengths, 0, cache.k.shape[1])
-    else:
-        lengths = jnp.clip(cache.lengths, 0, cache.page_table.shape[1] * cache.k.shape[1])
+    lengths = jnp.clip(cache.lengths, 0, cache.capacity)
+    if cache.page_table is not None:
         cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
     out, lse = _forward_only(q, cache._replace(lengths=lengths), params)
     return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)

@@ -180,6 +180,11 @@ class KVCache(NamedTuple):
     k_scale: Array = None
     v_scale: Array = None
 
+    @property
+    def capacity(self) -> int:
+        """Keys a sequence can hold: max_len, or pages_per_seq * page_size."""
+        return self.k.shape[1] if self.page_table is None else self.page_table.shape[1] * self.k.shape[1]
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCall:

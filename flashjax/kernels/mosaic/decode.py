@@ -100,7 +100,7 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     kv_heads = cache.k.shape[2]
     paged = cache.page_table is not None
     page_size = cache.k.shape[1] if paged else None
-    capacity = cache.page_table.shape[1] * page_size if paged else cache.k.shape[1]
+    capacity = cache.capacity
     assert page_size % PAGE_MULTIPLE == 0 if paged else capacity % SPLIT_MULTIPLE == 0, \
         "supports() declines these caches"
     assert params.window is None and not (params.causal and q_len > 1), "supports() declines these options"

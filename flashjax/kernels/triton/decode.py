@@ -267,13 +267,12 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
         block_k = 128 if features <= 64 else 64 if features <= 256 else 32
         if jnp.dtype(q.dtype) == jnp.float32 and features > 128:
             block_k //= 2
+    capacity = cache.capacity
     if cache.page_table is None:
-        capacity = cache.k.shape[1]
         block_k = min(block_k, 1 << (capacity.bit_length() - 1))  # >= 16 by `supports`
         page_size = None
     else:
         page_size = cache.k.shape[1]
-        capacity = cache.page_table.shape[1] * page_size
         if config.block_k is None and page_size >= 64:
             # A tile within one page is a plain slice; a tile of several pages is a gather,
             # which reads HBM at about two thirds of the rate (64-key pages, H100).
