@@ -51,11 +51,22 @@ def parse_dims(text):
 
 
 def parse_cells(text):
+    """'8192:no,32768:yes:4096' -> [(8192, False, None), (32768, True, 4096)]: (seq, causal,
+    sliding window's left extent or None)."""
     cells = []
     for item in text.split(","):
-        seq, causal = item.split(":")
-        cells.append((int(seq), causal == "yes"))
+        seq, causal, *window = item.split(":")
+        cells.append((int(seq), causal == "yes", int(window[0]) if window else None))
     return cells
+
+
+def visible_pairs(seq: int, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs a [seq, seq] call scores: query i sees keys i - window .. i with a
+    sliding window (window, 0), 0 .. i causal, all of them otherwise."""
+    if window is None:
+        return seq * (seq + 1) // 2 if causal else seq * seq
+    rows = min(seq, window + 1)  # the first rows, before the window is full
+    return rows * (rows + 1) // 2 + (seq - rows) * (window + 1)
 
 
 def parse_impls(text):
@@ -101,19 +112,27 @@ def run(args):
         print(f"no window markers ({type(e).__name__}: {e}); windows follow the order below", flush=True)
 
     windows = []
-    for (head_dim, v_head_dim), (seq, causal) in itertools.product(parse_dims(args.dims), parse_cells(args.cells)):
+    for (head_dim, v_head_dim), (seq, causal, window) in itertools.product(parse_dims(args.dims), parse_cells(args.cells)):
         cell = Cell(f"d{head_dim}", HEADS, HEADS, head_dim, seq, causal, "fwdbwd", "profile")
         batch = cell.batch
         q, k, v, do = make_inputs(cell, seed=seq)
         v, do = v[..., :v_head_dim], do[..., :v_head_dim]  # MLA: narrower values
         for impl in parse_impls(args.impls):
+            extent = None if window is None else (window, 0)
             if impl == "cudnn":
-                attend = lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")
+                attend = lambda q, k, v, c=causal, w=extent: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=c, local_window_size=w, implementation="cudnn")
+            elif impl == "fa3":
+                import flash_attn3_jax
+
+                attend = lambda q, k, v, c=causal, w=extent: flash_attn3_jax.flash_mha(
+                    q, k, v, softmax_scale=cell.scale, is_causal=c, window_size=w or (-1, -1))
             else:
                 # "mosaic:bwd_stages=3": config fields after the colon (flashjax.benchmark.config_overrides).
                 backend, _, fields = impl.partition(":")
                 config = flashjax_config(backend, fields, head_dim, v_head_dim)
-                attend = lambda q, k, v, c=causal, b=backend, cfg=config: flashjax.flash_attention(q, k, v, causal=c, backend=b, config=cfg)
+                attend = lambda q, k, v, c=causal, b=backend, cfg=config, w=extent: flashjax.flash_attention(
+                    q, k, v, causal=c, window=w, backend=b, config=cfg)
             step = jax.jit(timed_fn(cell, attend))  # jax.grad of sum(out * do) w.r.t. q, k, v
             for _ in range(3):
                 jax.block_until_ready(step(q, k, v, do))
@@ -126,7 +145,7 @@ def run(args):
             jax.block_until_ready(step(q, k, v, do))
             cuda.cuProfilerStop()
             windows.append({"seq": seq, "causal": causal, "impl": impl, "batch": batch, "head_dim": head_dim,
-                            "v_head_dim": v_head_dim})
+                            "v_head_dim": v_head_dim, "sliding_window": window})
             print("window", len(windows) - 1, json.dumps(windows[-1]), flush=True)
     if args.windows:
         Path(args.windows).write_text(json.dumps(windows))
@@ -167,7 +186,8 @@ def summarize(args):
         head_dim = w.get("head_dim", 128)
         v_head_dim = w.get("v_head_dim", head_dim)
         dims = f"D={head_dim}" + (f"x{v_head_dim}" if v_head_dim != head_dim else "")
-        title = f"{dims} T={w.get('seq')} {'causal' if w.get('causal') else 'full'} {w.get('impl')}" if w else f"window {i}"
+        mask = ("causal" if w.get("causal") else "full") + (f" sliding window {w['sliding_window']}" if w.get("sliding_window") else "")
+        title = f"{dims} T={w.get('seq')} {mask} {w.get('impl')}" if w else f"window {i}"
         total = sum(number(r["gpu__time_duration.sum"]) for r in group) * to_ns
         print(f"\n## {title}: {len(group)} kernels, {total / 1e6:.3f} ms")
         for r in sorted(group, key=lambda r: -number(r["gpu__time_duration.sum"])):
@@ -178,7 +198,10 @@ def summarize(args):
             if short and w:
                 qk_products, v_products = PRODUCTS[short]
                 width = qk_products * head_dim + v_products * v_head_dim  # summed over the kernel's products
-                work = 2 * w["batch"] * HEADS * w["seq"] ** 2 * width * (0.5 if w["causal"] else 1)
+                # The protocol's count (causal: half the square); a sliding window's pairs exactly.
+                window = w.get("sliding_window")
+                pairs = w["seq"] ** 2 * (0.5 if w["causal"] else 1) if window is None else visible_pairs(w["seq"], True, window)
+                work = 2 * w["batch"] * HEADS * pairs * width
                 line += f"  performed {work / ns / 1e3:6.1f} TFLOP/s"
             if ns < 0.02 * total:
                 print(line)
@@ -203,9 +226,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="the profiled program (start it under ncu)")
-    r.add_argument("--cells", default="8192:no,16384:yes", help="SEQ:yes|no causal, comma-separated")
+    r.add_argument("--cells", default="8192:no,16384:yes",
+                   help="SEQ:yes|no causal[:LEFT sliding window (LEFT, 0)], comma-separated")
     r.add_argument("--impls", default="mosaic,cudnn", help="flashjax backends (mosaic:FIELD=VALUE,... sets MosaicConfig fields, "
-                        "triton:fwd.block_k=64,... TritonConfig fields) and/or cudnn")
+                        "triton:fwd.block_k=64,... TritonConfig fields), cudnn and/or fa3 (flash-attn3-jax)")
     r.add_argument("--dims", default="128", help="head dims, comma-separated: D, or DQKxDV (192x128: MLA)")
     r.add_argument("--windows", default="", help="write the window list (JSON) here")
     s = sub.add_parser("summarize", help="read ncu's raw CSV log")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from flashjax import benchmark, cli, tuning
@@ -172,6 +173,16 @@ def test_variants_smoke(tmp_path):
             assert row["flashjax_mosaic_fwd_status"] == "unsupported" and row["fa3_fwd_status"] == "unsupported"
     table = _script("plot").variants_markdown(json.loads(out.read_text()))
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
+
+
+def test_ncu_profile_cells():
+    """ncu_profile.py's cells (SEQ:causal[:LEFT]) and the pairs a sliding window scores."""
+    ncu = _script("ncu_profile")
+    assert ncu.parse_cells("8192:no,32768:yes:4096") == [(8192, False, None), (32768, True, 4096)]
+    for seq, causal, window in [(100, False, None), (100, True, None), (100, True, 10), (5, True, 10)]:
+        rows = np.arange(seq)
+        want = np.minimum(rows + 1, window + 1) if window else rows + 1 if causal else np.full(seq, seq)
+        assert ncu.visible_pairs(seq, causal, window) == want.sum()
 
 
 def test_ncu_profile_summary(tmp_path, capsys):
