@@ -42,7 +42,11 @@ Protocol (`flashjax.benchmark`'s timing and checks, decode-sized): every cell is
 once, its output checked against the float32 reference (`flashjax.reference`, on the
 dequantised cache) on the first and last batch rows and the query heads of 2 kv heads
 (relative error < `benchmark.TOLERANCE`, else "mismatch" and not timed), warmed up twice,
-then timed as the median of >= 10 repetitions of a few back-to-back calls. Reported: time
+then timed as the median of >= 10 repetitions of back-to-back steps, as many as fill
+`STEP_SPAN_S` (up to `benchmark.MOST_INNER_CALLS`): the steady state of a generation loop,
+which issues its steps without waiting for each. (The attention sweep's 5 calls per
+repetition leave the host's round trip in each repetition, ~230 us on the H100's host: 45 us
+of a 370-us step, the same for every implementation; `--span-s 0` times that way.) Reported: time
 per step and the effective bandwidth, bytes of K/V read (B x context x kv heads x head dim
 x 2 x bytes per element, scales and queries not counted) over that time, also as a
 fraction of the GPU's HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
@@ -91,6 +95,8 @@ MLA = dict(heads=16, kv_heads=1, head_dim=576, v_head_dim=512)
 SMOKE_MLA = dict(heads=4, kv_heads=1, head_dim=48, v_head_dim=32)
 # HBM bandwidth (bytes/s) by a word of the device name.
 HBM_BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12}
+# Each timed repetition runs back-to-back steps for about this long (see the docstring).
+STEP_SPAN_S = 0.02
 XLA_GATHER_LIMIT = 40e9  # bytes the xla path's float32 cache and scores may take
 CHECK_KV_HEADS = 2
 
@@ -297,7 +303,7 @@ def record(cell: DecodeCell, status: str, **fields) -> dict:
     return entry
 
 
-def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: tuple[int, ...]) -> list[dict]:
+def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: tuple[int, ...], span_s: float) -> list[dict]:
     """One problem (cache, batch, context): built once, then each implementation compiled,
     checked and timed in turn (fa3 once per split count, the fastest kept)."""
     problem = make_problem(cells[0])
@@ -305,9 +311,9 @@ def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: tuple[int, ...])
     for cell in cells:
         try:
             if cell.impl != "fa3":
-                entries.append(time_cell(cell, impl_fn(cell), problem, reps))
+                entries.append(time_cell(cell, impl_fn(cell), problem, reps, span_s))
                 continue
-            tried = [time_cell(cell, impl_fn(cell, n), problem, reps) | {"num_splits": n} for n in fa3_num_splits]
+            tried = [time_cell(cell, impl_fn(cell, n), problem, reps, span_s) | {"num_splits": n} for n in fa3_num_splits]
             ok = [e for e in tried if e["status"] == "ok"]
             best = min(ok, key=lambda e: e["median_ms"]) if ok else tried[0]
             best["median_ms_by_num_splits"] = {e["num_splits"]: e.get("median_ms") for e in tried}
@@ -323,7 +329,7 @@ def run_row(cells: list[DecodeCell], reps: int, fa3_num_splits: tuple[int, ...])
     return entries
 
 
-def time_cell(cell: DecodeCell, fn, problem: Problem, reps: int) -> dict:
+def time_cell(cell: DecodeCell, fn, problem: Problem, reps: int, span_s: float = 0.0) -> dict:
     """Compiles fn, checks its output, and times it: the cell's record ("ok" or "mismatch");
     a failure to compile or run raises."""
     import jax
@@ -334,7 +340,8 @@ def time_cell(cell: DecodeCell, fn, problem: Problem, reps: int) -> dict:
     del out
     if not all(e < TOLERANCE for e in errors.values()):  # nan fails too
         return record(cell, "mismatch", rel_err=errors, error=f"rel err {errors} >= {TOLERANCE}")
-    median, times, inner = median_time(lambda run=compiled: run(problem), jax.block_until_ready, reps=reps)
+    median, times, inner = median_time(lambda run=compiled: run(problem), jax.block_until_ready, reps=reps,
+                                       span_s=span_s or None)
     return record(cell, "ok", rel_err=errors, median_ms=median * 1e3, reps_ms=[t * 1e3 for t in times], inner=inner)
 
 
@@ -390,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fa3-num-splits", default="1,2,4,8,16,32",
                    help="flash_mha_with_kvcache's num_splits counts to try per cell (the fastest is kept)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per cell (>= 10 for the protocol)")
+    p.add_argument("--span-s", type=float, default=STEP_SPAN_S,
+                   help="back-to-back steps per repetition: as many as fill this many seconds (0: the sweep's few)")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new rows after this many seconds")
     p.add_argument("--out", default=None, help="results directory or .json file (default benchmarks/results/)")
     p.add_argument("--fresh", action="store_true", help="do not merge into an existing results file")
@@ -425,7 +434,7 @@ def plan(args) -> list[DecodeCell]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
-        args.reps = min(args.reps, 2)
+        args.reps, args.span_s = min(args.reps, 2), 0.0
     start = time.perf_counter()
     cells = plan(args)
 
@@ -440,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(
         device=device, platform=jax.default_backend(), jax=jax.__version__, flashjax=flashjax.__version__,
         date=datetime.date.today().isoformat(), hbm_bytes_per_s=hbm,
-        protocol=dict(dtype="bfloat16", reps=args.reps, tolerance=TOLERANCE, check="first and last batch rows, "
+        protocol=dict(dtype="bfloat16", reps=args.reps, span_s=args.span_s, tolerance=TOLERANCE, check="first and last batch rows, "
                       f"query heads of {CHECK_KV_HEADS} kv heads", bandwidth="K/V bytes read / median time"),
     )
     rows: dict[tuple, list[DecodeCell]] = {}
@@ -451,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.perf_counter() - start > args.budget_s:
             entries = [record(c, "skipped", error=f"budget of {args.budget_s:.0f} s spent") for c in row_cells]
         else:
-            entries = run_row(row_cells, args.reps, tuple(int(n) for n in args.fa3_num_splits.split(",")))
+            entries = run_row(row_cells, args.reps, tuple(int(n) for n in args.fa3_num_splits.split(",")), args.span_s)
         for cell, e in zip(row_cells, entries, strict=True):
             if e["status"] != "skipped" or cell.key not in results["cells"]:  # a skip never hides a measurement
                 results["cells"][cell.key] = e

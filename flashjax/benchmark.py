@@ -95,13 +95,24 @@ def flops(batch, heads, seq_q, seq_k, head_dim, causal, mode="fwd") -> float:
     return fwd * (3.5 if mode == "fwdbwd" else 1.0)
 
 
-def inner_calls(seconds_per_call: float) -> int:
-    """Back-to-back calls per repetition: enough to hide the launch gap of short calls."""
-    return 5 if seconds_per_call < 1e-3 else 3 if seconds_per_call < 1e-2 else 2 if seconds_per_call < 5e-2 else 1
+# At most this many back-to-back calls per repetition with `span_s`.
+MOST_INNER_CALLS = 50
 
 
-def median_time(call, sync, *, reps: int = 10, warmup: int = 2):
-    """Median seconds per call over `reps` repetitions of a few back-to-back calls + `sync`.
+def inner_calls(seconds_per_call: float, span_s: float | None = None) -> int:
+    """Back-to-back calls per repetition: enough to hide the launch gap of short calls, or
+    with `span_s` enough for a repetition to last span_s seconds (at least as many, at most
+    MOST_INNER_CALLS): the steady state of a loop of short steps, where the host's round
+    trip per repetition (dispatch of the first call, the final sync) would otherwise count."""
+    few = 5 if seconds_per_call < 1e-3 else 3 if seconds_per_call < 1e-2 else 2 if seconds_per_call < 5e-2 else 1
+    if span_s is None:
+        return few
+    return max(few, min(MOST_INNER_CALLS, math.ceil(span_s / max(seconds_per_call, 1e-9))))
+
+
+def median_time(call, sync, *, reps: int = 10, warmup: int = 2, span_s: float | None = None):
+    """Median seconds per call over `reps` repetitions of a few back-to-back calls + `sync`
+    (`inner_calls`; with `span_s`, as many as fill that many seconds).
 
     `call()` launches the work and returns what `sync` waits on. Returns (median, times, inner).
     """
@@ -109,7 +120,7 @@ def median_time(call, sync, *, reps: int = 10, warmup: int = 2):
     for _ in range(warmup):
         sync(call())
     per_call = (time.perf_counter() - t0) / max(warmup, 1)
-    inner = inner_calls(per_call)
+    inner = inner_calls(per_call, span_s)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

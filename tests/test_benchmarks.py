@@ -175,6 +175,16 @@ def test_variants_smoke(tmp_path):
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
 
 
+def test_inner_calls():
+    """The protocol's few back-to-back calls per repetition; with span_s, as many as fill it
+    (never fewer than the few, at most MOST_INNER_CALLS)."""
+    assert [benchmark.inner_calls(s) for s in (1e-4, 5e-3, 2e-2, 0.1)] == [5, 3, 2, 1]
+    assert benchmark.inner_calls(4e-4, span_s=0.02) == 50
+    assert benchmark.inner_calls(1e-3, span_s=0.02) == 20
+    assert benchmark.inner_calls(1e-5, span_s=0.02) == benchmark.MOST_INNER_CALLS
+    assert benchmark.inner_calls(0.1, span_s=0.02) == 1 and benchmark.inner_calls(5e-3, span_s=1e-3) == 3
+
+
 def test_ncu_profile_cells():
     """ncu_profile.py's cells (SEQ:causal[:LEFT]) and the pairs a sliding window scores."""
     ncu = _script("ncu_profile")
