@@ -89,15 +89,23 @@ class MaskSpec:
         return self.window_left
 
     # ---- elementwise ---------------------------------------------------------------
+    def key_bounds(self, rows, kv_length=None):
+        """The keys query positions `rows` attend: (first, last), int32 like rows (last a
+        scalar without a right bound), first None without a left window; a row attends key
+        j iff first <= j <= last. `rows` is read only with a window bound (causal
+        included). A kernel computes the bounds once per row and compares each score's
+        key position against them (two comparisons a score at most)."""
+        last = (self.seq_k if kv_length is None else kv_length) - 1
+        if self.right is not None:
+            last = jnp.minimum(last, rows + (self.offset + self.right))
+        first = None if self.left is None else rows + (self.offset - self.left)
+        return first, last
+
     def allowed(self, rows, cols, kv_length=None):
         """Elementwise mask of a tile: rows [bq, 1] and cols [1, bk] int32 positions."""
-        mask = cols < (self.seq_k if kv_length is None else kv_length)
-        shifted = rows + self.offset
-        if self.right is not None:
-            mask = mask & (cols <= shifted + self.right)
-        if self.left is not None:
-            mask = mask & (cols >= shifted - self.left)
-        return mask
+        first, last = self.key_bounds(rows, kv_length)
+        mask = cols <= last
+        return mask if first is None else mask & (cols >= first)
 
     # ---- block ranges --------------------------------------------------------------
     def kv_boundaries(self, padded_seq_k: int) -> tuple[bool, bool]:

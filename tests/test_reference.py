@@ -106,3 +106,30 @@ def test_reference_empty_rows_and_their_gradient(make_inputs):
     for g in grads:
         assert np.all(np.isfinite(np.asarray(g)))
     assert np.all(np.asarray(grads[0][:, :empty]) == 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mask_spec_against_definitions(seed):
+    """`MaskSpec.allowed` (the per-row key bounds `key_bounds` the kernels compare against)
+    equals the mask written from the definitions, over random lengths, causal flags,
+    windows (either side None, negative right) and kv lengths (0, partial, full)."""
+    from flashjax.masks import MaskSpec
+
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        seq_q, seq_k = (int(x) for x in rng.integers(1, 40, 2))
+        causal = bool(rng.integers(2))
+        left = None if rng.integers(3) == 0 else int(rng.integers(0, 12))
+        right = None if rng.integers(3) == 0 else int(rng.integers(-3, 12))
+        kv_length = None if rng.integers(2) == 0 else int(rng.integers(0, seq_k + 1))
+        spec = MaskSpec(seq_q, seq_k, causal, left, right)
+        got = np.broadcast_to(spec.allowed(jnp.arange(seq_q)[:, None], jnp.arange(seq_k)[None, :], kv_length),
+                              (seq_q, seq_k))
+        want = np.zeros((seq_q, seq_k), bool)
+        for i in range(seq_q):
+            pos = i + seq_k - seq_q
+            for j in range(seq_k):
+                want[i, j] = (j < (seq_k if kv_length is None else kv_length) and not (causal and j > pos)
+                              and not (right is not None and j > pos + right)
+                              and not (left is not None and j < pos - left))
+        np.testing.assert_array_equal(got, want, err_msg=str((seq_q, seq_k, causal, left, right, kv_length)))

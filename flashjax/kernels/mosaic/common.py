@@ -589,15 +589,6 @@ def _mod_positions(mod: flex.Mod, shape, q_start, k_start, transposed: bool):
             flex.Along(_position_vector(shape, k_dim, k_start), k_dim) if uses_k else 0)
 
 
-def _positions(shape, q_start, k_start, transposed: bool):
-    """Query and key positions of each entry of a [block_q, block_kv] tile (or, transposed,
-    [block_kv, block_q]) in the wgmma register layout."""
-    q_dim, k_dim = (1, 0) if transposed else (0, 1)
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, q_dim, layout=plgpu.Layout.WGMMA) + q_start
-    cols = plgpu.broadcasted_iota(jnp.int32, shape, k_dim, layout=plgpu.Layout.WGMMA) + k_start
-    return rows, cols
-
-
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None, q_seg=None,
               kv_seg=None, mask_mod: flex.Mod | None = None, mod: ModInputs | None = None):
     """-inf where a score tile in the wgmma register layout does not attend.
@@ -608,9 +599,19 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
     queries and keys) equal ids, and with `mask_mod` its value (batch row, head and arrays
     in `mod`; a `sides.split` mask_mod takes q_seg and kv_seg as its row and column values,
     and no ids are compared)."""
-    rows, cols = _positions(s.shape, q_start, k_start, transposed)
-    allowed = spec.allowed(rows, cols, kv_length)
     q_dim, k_dim = (1, 0) if transposed else (0, 1)
+    # The bounds once per row (`MaskSpec.key_bounds`, registers of the row vector), then
+    # one or two comparisons per score against the key positions, broadcast from a
+    # column vector: no [rows, cols] position tiles.
+    # (The row vector only where a bound uses it: Mosaic GPU's layout inference fails on a
+    # vector nothing uses.)
+    rows = _position_vector(s.shape, q_dim, q_start) if spec.left is not None or spec.right is not None else None
+    first, last = spec.key_bounds(rows, kv_length)
+    full = lambda vector, dim: lax.broadcast_in_dim(vector, s.shape, [dim])
+    cols = full(_position_vector(s.shape, k_dim, k_start), k_dim)
+    allowed = cols <= (full(last, q_dim) if jnp.ndim(last) else last)
+    if first is not None:
+        allowed = allowed & (cols >= full(first, q_dim))
     if mask_mod is not None:
         values = ()
         if mask_mod.sides:
