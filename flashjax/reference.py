@@ -174,7 +174,11 @@ def attention(
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, mask_mod=mask_mod, heads=heads,
     )
     allowed = jnp.broadcast_to(allowed, logits.shape)
-    logits = jnp.where(allowed, logits, -jnp.inf)
+    # The logits computed once: fused into each consumer, XLA may contract the scale's product
+    # into an FMA with the subtraction below (rounded for the max, unrounded there), and past
+    # ~1e9 a row's largest term then leaves [0, 1] by half an ulp: exp overflows, or every
+    # term underflows and the row's sum is 0.
+    logits = jax.lax.optimization_barrier(jnp.where(allowed, logits, -jnp.inf))
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     if sinks is not None:
         # The sink is one more logit in every real row (not in rows past q_lengths: padding).

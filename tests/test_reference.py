@@ -133,3 +133,21 @@ def test_mask_spec_against_definitions(seed):
                               and not (right is not None and j > pos + right)
                               and not (left is not None and j < pos - left))
         np.testing.assert_array_equal(got, want, err_msg=str((seq_q, seq_k, causal, left, right, kv_length)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("logit_scale", [1e9, 1e20, 1e30])
+def test_compiled_reference_with_logits_past_float32_ulp(make_inputs, logit_scale, causal):
+    """Compiled, with logits of 1e9 to 1e30 (half an ulp of float32 past 2**7), the reference's
+    output and gradients are finite and equal the eagerly computed ones: XLA must not
+    recompute the logits differently for the row max and for the exponent."""
+    x = make_inputs(2, 33, 47, 4, 2, 32, q_scale=logit_scale)
+    q, do = x.q, x.do
+    loss = lambda q, k, v: jnp.sum(reference.attention(q, k, v, causal=causal) * do)
+    o, lse = jax.jit(lambda q, k, v: reference.attention(q, k, v, causal=causal, return_lse=True))(q, x.k, x.v)
+    want_o, want_lse = reference.attention(q, x.k, x.v, causal=causal, return_lse=True)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, x.k, x.v)
+    want_grads = jax.grad(loss, argnums=(0, 1, 2))(q, x.k, x.v)
+    for got, want in zip((o, lse, *grads), (want_o, want_lse, *want_grads)):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
