@@ -220,9 +220,9 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
             plgpu.wgmma(s_ref, c.q_smem, c.k_smem.at[slot].transpose((1, 0)))
             plgpu.wgmma(acc_ref, p16, c.v_smem.at[prev])
             c.turn()
-            # Masked tiles (the diagonal, the tail) wait for P V first: the mask's
-            # index arrays beside P_{j-1} and the in-flight acc would not fit in
-            # the registers. Unmasked tiles, the bulk, overlap.
+            # Masked tiles (the diagonal, the tail) wait for P V first, so that the
+            # mask's work does not hold registers beside P_{j-1} and the in-flight acc.
+            # Unmasked tiles, the bulk, overlap.
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if masked else 1)
             plgpu.barrier_arrive(c.k_free.at[slot])
             if masked:
