@@ -683,13 +683,8 @@ def keep_mask(t: Tiling, stream, shape, q_start, k_start, *, transposed: bool = 
 def drop(x, keep):
     """The kept entries of x (`keep_mask`), dropped ones 0; x itself when `keep` is None.
     Unscaled: the kernels apply `Tiling.keep_scale` to what the products of the kept weights
-    sum (the forward's output, dV) once, not to every weight (`dropout_scale`)."""
+    sum (the forward's 1 / l, dV at its store: `scale_kept_sum`) once, not to every weight."""
     return x if keep is None else jnp.where(keep, x, 0.0)
-
-
-def dropout_scale(t: Tiling) -> float:
-    """The factor of sums over kept weights (`drop`): `Tiling.keep_scale` with dropout, else 1."""
-    return t.keep_scale if t.dropout_rate > 0.0 else 1.0
 
 
 def scale_kept_sum(x, t: Tiling):

@@ -408,8 +408,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
             # Rows that saw no key: l = 0 -> o = 0 and lse = m + log2(0) = -inf (with sinks
             # l = 1 and acc = 0: o = 0 and lse = the sink's logit).
             l_safe = jnp.where(l == 0.0, 1.0, l)
-            # (Dropout's keep scale applied here once, not to each kept weight.)
-            acc = acc * lax.broadcast_in_dim(common.dropout_scale(t) / l_safe, acc.shape, [0])
+            # (Dropout's keep scale, 1 without dropout, applied here once, not to each kept weight.)
+            acc = acc * lax.broadcast_in_dim(t.keep_scale / l_safe, acc.shape, [0])
             if persistent:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output is out of o_smem
             else:
