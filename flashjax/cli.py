@@ -123,24 +123,34 @@ def _cell(shape, causal: bool, mode: str = "fwdbwd", impl: str = "flashjax"):
     return benchmark.Cell("demo", h, hkv, d, t, causal, mode, impl, tokens=b * t)
 
 
+def _output_and_grads(fn, q, k, v, do):
+    """fn(q, k, v) and its (dq, dk, dv) for the cotangent do, as one compiled program: an
+    eager jax.vjp would compile the forward, the backward and (for the reference) every op
+    apart, which on a GPU costs about a minute per problem."""
+    import jax
+
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(do.astype(out.dtype))
+
+    return jax.jit(run)(q, k, v, do)
+
+
 def check(shape, causal: bool, dtype, tol: float) -> tuple[bool, str]:
     """flashjax (backend="auto") output and (dq, dk, dv) against the float32 reference.
 
     Returns (passed, two lines: the errors, and the backends that run it and why faster ones do not).
     """
-    import jax
     import jax.numpy as jnp
 
     import flashjax
     from flashjax import benchmark, reference
 
     q, k, v, do = benchmark.make_inputs(_cell(shape, causal), dtype=dtype)
-    f = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal))
-    out, vjp = jax.vjp(f, q, k, v)
-    grads = vjp(do)
+    out, grads = _output_and_grads(lambda q, k, v: flashjax.flash_attention(q, k, v, causal=causal), q, k, v, do)
     f32 = lambda x: x.astype(jnp.float32)
-    ref_out, ref_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, causal=causal), f32(q), f32(k), f32(v))
-    ref_grads = ref_vjp(f32(do))
+    ref_out, ref_grads = _output_and_grads(lambda q, k, v: reference.attention(q, k, v, causal=causal),
+                                           f32(q), f32(k), f32(v), f32(do))
     errs = [benchmark.rel_err(out, ref_out)] + [benchmark.rel_err(a, b) for a, b in zip(grads, ref_grads)]
     ok = all(e < tol for e in errs)  # nan fails
     b, t, h, hkv, d = shape
