@@ -298,6 +298,22 @@ def assert_lse_close():
 
 
 @pytest.fixture
+def assert_huge_logits_result():
+    """``assert_huge_logits_result(got: Result, want: Result, dtype, q_scale)``: the logits
+    really reach ~q_scale, o and lse match the reference, and the gradients are finite (at
+    such logits they are not accurate: README, Precision)."""
+
+    def check(got: Result, want: Result, dtype, q_scale: float):
+        assert float(np.max(np.asarray(want.lse))) > 0.1 * q_scale, "the logits are not that large"
+        check_close(got.o, want.o, dtype, "o")
+        check_lse(got.lse, want.lse, dtype)
+        for name in ("dq", "dk", "dv"):
+            assert np.all(np.isfinite(np.asarray(getattr(got, name), np.float32))), f"{name}: non-finite values"
+
+    return check
+
+
+@pytest.fixture
 def assert_result_close():
     """``assert_result_close(got: Result, want: Result, dtype, grads=True)``: o, lse and grads."""
 

@@ -65,17 +65,13 @@ def test_large_logits(make_inputs, kernel_vjp, reference_vjp, assert_result_clos
 
 
 @pytest.mark.parametrize("q_scale", [1e8, 1e20], ids=["logits-5e8", "logits-5e20"])
-def test_logit_range(make_inputs, kernel_vjp, reference_vjp, assert_close, assert_lse_close, q_scale):
+def test_logit_range(make_inputs, kernel_vjp, reference_vjp, assert_huge_logits_result, q_scale):
     """The compiled Triton kernels at logits far past the Hopper kernels' range (README,
     Precision): o and lse at the reference's, gradients finite."""
     x = make_inputs(1, 256, 256, 2, 2, 128, dtype=BF16, q_scale=q_scale)
     got = kernel_vjp(x.q, x.k, x.v, x.do, None, causal=True)
     want = reference_vjp(x.q, x.k, x.v, x.do, None, causal=True)
-    assert float(np.max(np.asarray(want.lse))) > 0.1 * q_scale  # the logits really are that large
-    assert_close(got.o, want.o, BF16, "o")
-    assert_lse_close(got.lse, want.lse, BF16)
-    for name in ("dq", "dk", "dv"):
-        assert np.all(np.isfinite(np.asarray(getattr(got, name), np.float32))), name
+    assert_huge_logits_result(got, want, BF16, q_scale)
 
 
 def test_deterministic_gradients(make_inputs, kernel_vjp):
