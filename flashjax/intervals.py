@@ -131,6 +131,22 @@ def _no_overflow(result: Num, f, a: Num, b: Num) -> Num:
     return Num(jnp.where(wraps, info.min, result.lo), jnp.where(wraps, info.max, result.hi), result.point)
 
 
+def _convert(v: Num, dtype) -> Num:
+    """v converted to dtype. Conversion is monotone, so the bounds convert, except where an
+    integer dtype cannot hold a value of v (a negative int to uint32, int32 to int8): it
+    wraps, and the interval widens to the dtype's whole range."""
+    if not jnp.issubdtype(dtype, jnp.integer):
+        return Num(v.lo.astype(dtype), v.hi.astype(dtype), v.point)
+    info = jnp.iinfo(dtype)
+    # In float32, with a margin where its spacing exceeds 1 (2^8 near 2^31, as `_no_overflow`).
+    margin = lambda limit: 512.0 if abs(int(limit)) >= 2**24 else 0.0
+    fits = ((v.lo.astype(jnp.float32) >= float(info.min) + margin(info.min))
+            & (v.hi.astype(jnp.float32) <= float(info.max) - margin(info.max)))
+    lo = jnp.where(fits, v.lo.astype(dtype), jnp.asarray(info.min, dtype))
+    hi = jnp.where(fits, v.hi.astype(dtype), jnp.asarray(info.max, dtype))
+    return Num(lo, hi, v.point)
+
+
 def _divide(a: Num, b: Num, floor: bool) -> Num:
     """a / b (truncated for integers, or floored with `floor`) for a constant nonzero b."""
     if not _is_constant(b):
@@ -302,9 +318,7 @@ def _rule(name, eqn, ins, tables):
     if name == "convert_element_type":
         if _is_bool_dtype(eqn.outvars[0].aval):
             return _as_bool(ins[0])
-        v = _as_num(ins[0])
-        dtype = eqn.params["new_dtype"]
-        return Num(v.lo.astype(dtype), v.hi.astype(dtype), v.point)
+        return _convert(_as_num(ins[0]), eqn.params["new_dtype"])
     if name == "dynamic_slice":
         array, *indices = ins
         if not isinstance(array, Array) or any(s != 1 for s in eqn.params["slice_sizes"]):

@@ -493,6 +493,26 @@ def test_block_mask_on_intervals_is_sound_when_int32_wraps():
     _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
 
 
+@pytest.mark.parametrize("mask_mod", [
+    pytest.param(lambda b, h, i, j: (i - j).astype(jnp.uint32) < 5, id="negative-to-uint32"),
+    pytest.param(lambda b, h, i, j: (i * 10).astype(jnp.int8) > j.astype(jnp.int8), id="int32-to-int8"),
+    pytest.param(lambda b, h, i, j: (j - i).astype(jnp.uint8) >= 250, id="negative-to-uint8"),
+])
+def test_block_mask_on_intervals_is_sound_when_a_conversion_wraps(mask_mod):
+    """A conversion to an integer type that cannot hold the interval wraps ((i - j) as uint32 <
+    5 is 0 <= i - j < 5 in one comparison): the bounds widen to the type's range instead of
+    converting, so no tile that attends is called empty; attention under the mask equals the
+    reference's on the dense mask."""
+    args = (1, 1, 64, 64, 16, 16)
+    _assert_sound(_interval_classes(mask_mod, *args), _dense_classes(mask_mod, *args))
+    ks = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (1, 64, 2, 16), jnp.float32) for key in ks)
+    dense = mask_mod(0, 0, jnp.arange(64)[:, None], jnp.arange(64)[None, :])
+    want = flashjax.flash_attention(q, k, v, mask=dense[None, None], backend="xla")
+    got = flashjax.flash_attention(q, k, v, mask_mod=mask_mod, backend="triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_block_mask_without_interval_rules_evaluates_every_pair():
     """An operation without an interval rule (sin) falls back to evaluating every pair."""
     from flashjax import intervals
