@@ -702,14 +702,16 @@ def test_half_precision_high_dropout_peaked_rows(dtype, float32_residual):
     assert_matches(flash_outputs(x, case.options, "triton"), reference_outputs(x, case.options), dtype)
 
 
+@pytest.mark.parametrize("seq_q, seq_k", [(4, 3), (64, 64)], ids=["ragged-tile", "whole-tiles"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_row_of_minus_inf_logits_is_a_row_without_keys(backend):
-    """q[0, 0, 0, 0] = -inf and every k[..., 0] > 0: every logit of row 0 is -inf.
+def test_row_of_minus_inf_logits_is_a_row_without_keys(backend, seq_q, seq_k):
+    """q[0, 0, 0, 0] = -inf and every k[..., 0] > 0: every logit of row 0 is -inf, on a tile
+    the kernels mask anyway (3 keys) and on whole tiles they do not (64 keys).
 
     flashjax (both backends, as documented) treats the row as one without keys: output 0,
     lse -inf, the other rows unaffected. jax.nn.dot_product_attention outputs NaN there."""
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, n, 1, 16)).astype(np.float32) for n in (4, 3, 3))
+    q, k, v = (rng.standard_normal((1, n, 1, 16)).astype(np.float32) for n in (seq_q, seq_k, seq_k))
     k[..., 0] = np.abs(k[..., 0]) + 0.1
     q[0, 0, 0, 0] = -np.inf
     with jax.default_matmul_precision("highest"):  # float32 products (a GPU's default is TF32)

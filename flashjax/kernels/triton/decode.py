@@ -389,7 +389,7 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
             v_blocks = [v.astype(compute_dtype) for v in v_blocks]
         v_factor = v_scale if v_page_scale is None else v_page_scale
         values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
-        return scoring.online_softmax_step(acc, m, l, s, values, masked=masked, v_scale=v_factor, precision=precision)
+        return scoring.online_softmax_step(acc, m, l, s, values, v_scale=v_factor, precision=precision)
 
     v_zeros = [jnp.zeros((block_q, size), jnp.float32) for _, size in t.v_blocks]
     carry = (

@@ -53,9 +53,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
                 dense=scoring.pair_tile(x.mask, (), None, tile) if x.mask is not None else None, mod=mod,
             )
         keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
-        # A -inf bias (or score_mod) can empty a row of a tile the structural mask calls full.
-        may_be_empty = masked or x.bias is not None or scorer.score_mod is not None
-        return scoring.online_softmax_step(acc, m, l, s, v, masked=may_be_empty, keep=keep, precision=precision)
+        return scoring.online_softmax_step(acc, m, l, s, v, keep=keep, precision=precision)
 
     if x.sinks is not None:
         # The sink starts every row as a key of weight exp(sink) and no value: m = sink, l = 1.

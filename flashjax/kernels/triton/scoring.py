@@ -175,7 +175,7 @@ def query_tile(scorer: "Scorer", x, *, block_q: int, heads: int) -> QueryTile:
     )
 
 
-def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=None, precision=None):
+def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=None):
     """One step of FlashAttention's running softmax over a key tile.
 
     Args:
@@ -183,10 +183,9 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=Non
         [block_q, D_i] when `v` is one.
       m: running row max [block_q] of the base-2 logits.
       l: running row sum [block_q] of exp2(s - m).
-      s: this tile's base-2 logits [block_q, block_k], -inf where masked.
+      s: this tile's base-2 logits [block_q, block_k], -inf where masked (or where an
+        infinite input makes them so): a row may have seen no key yet, and m stays -inf.
       v: this tile's values [block_k, D], or a tuple of their column blocks [block_k, D_i].
-      masked: whether `s` may hold -inf (a boundary tile); then a row may have
-        seen no key yet, and m stays -inf.
       keep: dropout keep mask of the tile; dropped weights still count in l
         (dropout acts on the normalised probabilities).
       v_scale: the values' dequantisation scale (a float8 cache's), a scalar or per key
@@ -198,8 +197,9 @@ def online_softmax_step(acc, m, l, s, v, *, masked: bool, keep=None, v_scale=Non
     """
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # A row with no visible key so far keeps m = -inf; shifting by 0 instead keeps
-    # exp2(-inf - (-inf)) = NaN out of alpha and p (both become 0).
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    # exp2(-inf - (-inf)) = NaN out of alpha and p (both become 0). On every tile, not only
+    # the masked ones: an infinite input makes a row's logits -inf anywhere (one select a row).
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
