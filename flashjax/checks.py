@@ -26,6 +26,10 @@ def _shape_str(q, k, v) -> str:
     return f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
 
 
+# Positions are int32 in every backend.
+MAX_POSITION = 2**31 - 1
+
+
 def check_qkv(q, k, v, *, v_head_dim: bool = False):
     """q [B, Tq, H, D], k and v [B, Tk, Hkv, D], one floating (or complex) dtype, Hkv divides H.
 
@@ -64,6 +68,11 @@ def check_qkv(q, k, v, *, v_head_dim: bool = False):
     (dtype,) = dtypes
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)):
         raise ValueError(f"unsupported dtype {dtype} for q, k, v; use a floating dtype (bfloat16, float16, float32).")
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        raise ValueError(
+            f"unsupported dtype {dtype} for q, k, v: 8-bit floats are not attention inputs here; cast them to "
+            "bfloat16 (decode_attention reads float8 key/value caches with their scales)."
+        )
 
 
 def check_static_number(name: str, value, *, what: str = "a number"):
@@ -108,6 +117,9 @@ def check_window(window):
         if value is None:
             checked.append(None)
         elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, jnp.bool_)) and value >= 0:
+            if value > MAX_POSITION:
+                raise ValueError(f"window {side} must be at most {MAX_POSITION} (positions are int32); "
+                                 f"use None for an unbounded side, got {value!r}.")
             checked.append(int(value))
         else:
             raise ValueError(f"window {side} must be an int >= 0 or None (a static Python int), got {value!r}.")
@@ -184,10 +196,14 @@ def _check_vector(name: str, x, size: int, axis: str, kind, what: str):
 
 
 def check_lengths(name: str, lengths, batch: int):
-    """int32 [batch] (or None)."""
+    """int32 [batch] (or None). Lengths past int32 (unsigned or 64-bit ones) clamp to its
+    largest value before the cast, which would wrap them negative: a length past the
+    sequence means the whole sequence either way."""
     if lengths is None:
         return None
     _check_vector(name, lengths, batch, "batch", jnp.integer, "integers")
+    if jnp.iinfo(lengths.dtype).max > MAX_POSITION:
+        lengths = jnp.minimum(lengths, jnp.asarray(MAX_POSITION).astype(lengths.dtype))
     return lengths.astype(jnp.int32)
 
 

@@ -43,6 +43,7 @@ ARRAY_ERRORS = [
     pytest.param(lambda: arrays(k_dtype=jnp.bfloat16), "dtype", id="dtype-mismatch-k"),
     pytest.param(lambda: arrays(v_dtype=jnp.float16), "dtype", id="dtype-mismatch-v"),
     pytest.param(lambda: arrays(dtype=jnp.int32), "dtype", id="dtype-int32"),
+    pytest.param(lambda: arrays(dtype=jnp.float8_e4m3fn), "8-bit floats", id="dtype-float8"),
 ]
 
 
@@ -69,6 +70,8 @@ OPTION_ERRORS = [
     pytest.param(dict(window=(0, -2)), "window right", id="window-right-negative"),
     pytest.param(dict(window=(1.5, 0)), "window left", id="window-float"),
     pytest.param(dict(window=(True, 0)), "window left", id="window-bool"),
+    pytest.param(dict(window=(2**31, 0)), "window left must be at most", id="window-past-int32"),
+    pytest.param(dict(window=(0, 10**12)), "window right must be at most", id="window-right-past-int32"),
     pytest.param(dict(causal=1), "causal", id="causal-int"),
     pytest.param(dict(causal="yes"), "causal", id="causal-str"),
     pytest.param(dict(softcap=0.0), "softcap", id="softcap-0"),
@@ -107,6 +110,27 @@ def test_bad_options(kwargs, message):
     q, k, v = arrays()
     with pytest.raises(ValueError, match=message):
         flashjax.flash_attention(q, k, v, **kwargs)
+
+
+def test_empty_batch_runs_on_the_reference():
+    """Batch 0 (a shard or a vmapped slice can be empty): `auto` takes the reference, which
+    returns the empty output and gradients; the kernels say they cannot run it."""
+    q = jnp.ones((0, T, H, D), jnp.float32)
+    assert flashjax.explain(q, q, q).backend == "xla"
+    assert flashjax.flash_attention(q, q, q, causal=True).shape == q.shape
+    assert jax.grad(lambda q: flashjax.flash_attention(q, q, q).sum())(q).shape == q.shape
+    with pytest.raises(NotImplementedError, match="empty batch"):
+        flashjax.flash_attention(q, q, q, backend="triton")
+
+
+def test_unsigned_lengths_past_int32_mean_the_whole_sequence():
+    """A uint32 length of 2^32 - 1 would wrap to -1 in int32 (every row empty); it clamps
+    instead, as any length past the sequence does."""
+    q = jax.random.normal(jax.random.key(0), (2, T, H, D), jnp.float32)
+    lengths = jnp.array([2**32 - 1, 3], jnp.uint32)
+    got = flashjax.flash_attention(q, q, q, kv_lengths=lengths)
+    want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_segment_ids_as_one_array_need_equal_lengths():

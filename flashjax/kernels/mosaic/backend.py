@@ -50,6 +50,8 @@ H100_SMS = 132
 
 def supports(call: Call) -> list[str]:
     reasons = device_reasons(call.platform, call.compute_capability, call.dtype)
+    if call.batch == 0:
+        reasons.append("an empty batch (batch 0)")
     v_head_dim = call.v_head_dim or call.head_dim
     too_wide = [f"{name} {dim} > {HEAD_DIMS[-1]}" for name, dim in (("head_dim", call.head_dim), ("v head_dim", v_head_dim))
                 if dim > HEAD_DIMS[-1]]

@@ -29,6 +29,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def supports(call: Call) -> list[str]:
     reasons = []
+    if call.batch == 0:
+        reasons.append("an empty batch (batch 0)")
     if jnp.dtype(call.dtype).name not in DTYPES:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
     if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
