@@ -250,6 +250,20 @@ def test_nnx_attention_fn_is_causal_cross_is_top_left(key, assert_close):
     assert_close(out_ours, out_flax, jnp.float32, "out", tol=OUT_TOL)
 
 
+def test_attention_fn_values_with_their_own_head_dim(key, assert_close):
+    """Values of another head dim than the queries' (MLA-style): the output takes the values'
+    head dim, as Flax's own dot_product_attention does, with extra batch dims kept."""
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (2, 3, 10, HEADS, 16))
+    k = jax.random.normal(kk, (2, 3, 12, HEADS, 16))
+    v = jax.random.normal(kv, (2, 3, 12, HEADS, 32))
+    got = flashjax.flax.attention_fn(q, k, v)
+    assert got.shape == (2, 3, 10, HEADS, 32)
+    flat = lambda x: x.reshape((6,) + x.shape[2:])
+    want = flashjax.flash_attention(flat(q), flat(k), flat(v), backend="xla")
+    assert_close(flat(got), want, jnp.float32, "out")
+
+
 def test_nnx_module_matches_flax(key, assert_close):
     """Same rngs -> same params as nnx.MultiHeadAttention (GQA); same outputs and grads."""
     kv_heads = 2

@@ -215,7 +215,7 @@ def _attention_fn(
         backend=backend,
         config=config,
     )
-    return out.reshape(query.shape)
+    return out.reshape(query.shape[:-1] + value.shape[-1:])  # values may have their own head dim
 
 
 attention_fn = make_attention_fn()
