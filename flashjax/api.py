@@ -57,10 +57,12 @@ def flash_attention(
     positions ``i`` and ``j`` in the call's arrays. Differentiable in ``q``, ``k``, ``v``,
     ``bias``, ``sinks`` and the float arrays ``score_mod`` closes over (and through the
     logsumexp with ``return_lse=True``); works under ``jit``, ``grad``, ``vmap`` and
-    ``jax.checkpoint``.
+    ``jax.checkpoint``. The kernels' gradient is a first-order reverse-mode rule (a custom
+    VJP): forward mode (``jax.jvp``, ``jax.jacfwd``) and second derivatives need
+    ``backend="xla"``.
 
     A row whose keys are all masked (by any option, including a bias of ``-inf`` or of
-    ``finfo.min``, Flax's masking idiom: bias values at or below -1.7e38 mask their key)
+    ``finfo.min``, Flax's masking idiom: bias values at or below -1.7014e38 mask their key)
     outputs 0, with lse ``-inf`` (the sink's logit with ``sinks``) and zero gradients,
     never NaN. (``jax.nn`` and Flax return the mean of the values for such rows.)
 
@@ -83,7 +85,7 @@ def flash_attention(
       scale: logit scale (a static Python number); defaults to ``1 / sqrt(head_dim)``.
       bias: additive float bias broadcastable to ``[batch, heads, q_len, kv_len]``,
         read tile by tile (never expanded); added after the softcap. ``-inf`` and
-        values at or below -1.7e38 (``finfo.min``) mask their key. Its gradient is
+        values at or below -1.7014e38 (``finfo.min``) mask their key. Its gradient is
         reduced over the axes it broadcasts along.
       mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]``; True = attend
         (the convention of ``jax.nn.dot_product_attention`` and Flax).

@@ -80,7 +80,9 @@ def decode_attention(
         cache (absorbed MLA, FlashMLA's layout): the values are then the first
         ``v_head_dim`` features of ``k_cache`` itself (e.g. 512 of 576), read once.
       kv_lengths: int [batch]: tokens held by each sequence, in [0, capacity] (``max_len``,
-        or ``pages_per_seq * page_size``). Keys at or past it are never read.
+        or ``pages_per_seq * page_size``). Keys at or past it get no weight; the key tile
+        that holds the length is read whole, so slots past it must hold finite values
+        (zeros, or stale tokens): a NaN or inf there reaches the output as 0 * NaN.
       page_table: int [batch, pages_per_seq]: page ``p`` of sequence ``b`` (its keys
         ``p * page_size ...``) is ``k_cache[page_table[b, p]]``. Entries past a sequence's
         last page are not read (any value, e.g. -1, is fine there).

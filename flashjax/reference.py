@@ -135,7 +135,7 @@ def attention(
       causal: query i attends keys j <= i + Tk - Tq (bottom-right aligned).
       scale: logit scale, default 1/sqrt(D).
       bias: additive bias broadcastable to [B, H, Tq, Tk], added after the softcap;
-        -inf and values at or below `flashjax.masks.MASKING_BIAS` (-1.7e38, e.g.
+        -inf and values at or below `flashjax.masks.MASKING_BIAS` (-1.7014e38, e.g.
         finfo.min) mask the key.
       mask: boolean, broadcastable to [B, H, Tq, Tk]; True = attend.
       segment_ids: int [B, T] (self-attention) or a pair ([B, Tq], [B, Tk]).
