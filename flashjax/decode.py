@@ -52,7 +52,8 @@ def decode_attention(
     This is `flash_attention(q, k[:, :L], v[:, :L], causal=..., window=...)` per sequence.
     A query that sees no key (``L = 0``, or ``i' < 0`` under ``causal``: a sequence shorter
     than the chunk) outputs 0 with lse ``-inf``. Forward only: it is for inference, and
-    ``jax.grad`` through it raises; train with `flashjax.flash_attention`. Works under
+    ``jax.grad`` through it with respect to q or the caches raises (the sinks, merged
+    outside the kernel, do get a gradient); train with `flashjax.flash_attention`. Works under
     ``jit`` and ``vmap``.
 
     The Triton kernel (``backend="triton"``, what ``auto`` takes where it can) splits each
@@ -133,7 +134,7 @@ def decode_attention(
         indices to [0, num_pages), so no read leaves the cache, but a bad value gives a
         wrong result rather than an error.
       NotImplementedError: when the named backend cannot run the call; under
-        ``jax.grad`` (decode_attention has no gradient).
+        ``jax.grad`` with respect to q or the caches (the kernel has no gradient).
     """
     cache, call, params = _prepare(
         q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,
