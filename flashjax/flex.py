@@ -263,15 +263,46 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
         return out.astype(jnp.float32)
 
     closed = jax.make_jaxpr(checked)(*_scalar_args(name))
-    consts = tuple(jnp.asarray(c) for c in closed.consts)
-    used = _used_inputs(closed.jaxpr)
+    jaxpr, consts = _hoist_constants(closed.jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
+    used = _used_inputs(jaxpr)
     first_index = 1 if name == SCORE_MOD else 0
     mod = Mod(
         name=name, const_avals=tuple((tuple(c.shape), np.dtype(c.dtype)) for c in consts),
-        jaxpr=closed.jaxpr, uses_batch=used[first_index], uses_head=used[first_index + 1],
-        program=str(closed.jaxpr),
+        jaxpr=jaxpr, uses_batch=used[first_index], uses_head=used[first_index + 1],
+        program=str(jaxpr),
     )
     return mod, consts
+
+
+def _hoist_constants(jaxpr, consts: tuple):
+    """(jaxpr, consts) with the equations that read no argument and make an array, or read a
+    closed-over array (a `jnp.arange`, a table scaled inside the mod), evaluated here once:
+    their values become closed-over arrays, as if the mod had closed over them, since a
+    kernel reads arrays only through its inputs. Scalars computed from literals alone stay
+    in place (constants the kernels' compilers fold)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
+    hoisted, pure = set(jaxpr.constvars), set()
+    rest = []
+    for eqn in jaxpr.eqns:
+        if eqn.effects or not all(isinstance(x, jex_core.Literal) or x in hoisted or x in pure for x in eqn.invars):
+            rest.append(eqn)
+            continue
+        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
+        if (all(isinstance(x, jex_core.Literal) or x in pure for x in eqn.invars)
+                and all(v.aval.shape == () for v in eqn.outvars)):
+            pure.update(eqn.outvars)
+            rest.append(eqn)
+        else:
+            hoisted.update(eqn.outvars)
+    if len(rest) == len(jaxpr.eqns):
+        return jaxpr, consts
+    needed = []
+    for x in [x for eqn in rest for x in eqn.invars] + list(jaxpr.outvars):
+        if isinstance(x, jex_core.Var) and x in hoisted and x not in needed:
+            needed.append(x)
+    out = jex_core.Jaxpr(needed, jaxpr.invars, jaxpr.outvars, rest, jaxpr.effects, jaxpr.debug_info)
+    return out, tuple(jnp.asarray(env[x]) for x in needed)
 
 
 def _used_inputs(jaxpr) -> list[bool]:
@@ -508,7 +539,7 @@ def _with_refs(eqn, ins) -> list:
     raise ValueError(
         f"a score_mod/mask_mod uses the closed-over array {arrays} in `{name}`. Inside the kernels a "
         "closed-over array can only be read one element per score, every axis indexed at once "
-        "(e.g. table[h, bucket], not table[h][bucket] or table * 2); compute derived arrays "
+        "(e.g. table[h, bucket], not table[h][bucket] or jnp.sum(table[h])); compute derived arrays "
         "before the call and close over them."
     )
 
