@@ -275,17 +275,16 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
 
 
 def _hoist_constants(jaxpr, consts: tuple):
-    """(jaxpr, consts) with the equations that read no argument and make an array, or read a
-    closed-over array (a `jnp.arange`, a table scaled inside the mod), evaluated here once:
-    their values become closed-over arrays, as if the mod had closed over them, since a
-    kernel reads arrays only through its inputs. Scalars computed from literals alone stay
-    in place (constants the kernels' compilers fold)."""
-    env = dict(zip(jaxpr.constvars, consts))
+    """(jaxpr, consts) with the arrays the mod builds from literals alone (a `jnp.arange`,
+    a `jnp.linspace`) evaluated here, once, and passed in as closed-over arrays (a kernel
+    reads arrays only through its inputs). Scalars computed from literals stay in place
+    (constants the kernels' compilers fold); what reads a closed-over array stays in the
+    mod, read per score as the arrays' own reads are (the ring passes its position map so)."""
+    env, built, pure = {}, set(), set()  # built: arrays from literals; pure: such scalars
     read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
-    hoisted, pure = set(jaxpr.constvars), set()
     rest = []
     for eqn in jaxpr.eqns:
-        if eqn.effects or not all(isinstance(x, jex_core.Literal) or x in hoisted or x in pure for x in eqn.invars):
+        if eqn.effects or not all(isinstance(x, jex_core.Literal) or x in built or x in pure for x in eqn.invars):
             rest.append(eqn)
             continue
         env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
@@ -294,15 +293,16 @@ def _hoist_constants(jaxpr, consts: tuple):
             pure.update(eqn.outvars)
             rest.append(eqn)
         else:
-            hoisted.update(eqn.outvars)
-    if len(rest) == len(jaxpr.eqns):
+            built.update(eqn.outvars)
+    if not built:
         return jaxpr, consts
     needed = []
     for x in [x for eqn in rest for x in eqn.invars] + list(jaxpr.outvars):
-        if isinstance(x, jex_core.Var) and x in hoisted and x not in needed:
+        if isinstance(x, jex_core.Var) and x in built and x not in needed:
             needed.append(x)
-    out = jex_core.Jaxpr(needed, jaxpr.invars, jaxpr.outvars, rest, jaxpr.effects, jaxpr.debug_info)
-    return out, tuple(jnp.asarray(env[x]) for x in needed)
+    out = jex_core.Jaxpr((*jaxpr.constvars, *needed), jaxpr.invars, jaxpr.outvars, rest, jaxpr.effects,
+                         jaxpr.debug_info)
+    return out, (*consts, *(jnp.asarray(env[x]) for x in needed))
 
 
 def _used_inputs(jaxpr) -> list[bool]:
@@ -539,7 +539,7 @@ def _with_refs(eqn, ins) -> list:
     raise ValueError(
         f"a score_mod/mask_mod uses the closed-over array {arrays} in `{name}`. Inside the kernels a "
         "closed-over array can only be read one element per score, every axis indexed at once "
-        "(e.g. table[h, bucket], not table[h][bucket] or jnp.sum(table[h])); compute derived arrays "
+        "(e.g. table[h, bucket], not table[h][bucket] or table * 2); compute derived arrays "
         "before the call and close over them."
     )
 
