@@ -280,22 +280,25 @@ def _hoist_constants(jaxpr, consts: tuple):
     reads arrays only through its inputs). Scalars computed from literals stay in place
     (constants the kernels' compilers fold); what reads a closed-over array stays in the
     mod, read per score as the arrays' own reads are (the ring passes its position map so)."""
-    env, built, pure = {}, set(), set()  # built: arrays from literals; pure: such scalars
-    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
-    rest = []
+    built, pure = set(), set()  # built: arrays from literals; pure: such scalars
+    from_literals = lambda x: isinstance(x, jex_core.Literal) or x in pure
+    fixed, rest = [], []  # fixed: the equations of built and pure values, in order
     for eqn in jaxpr.eqns:
-        if eqn.effects or not all(isinstance(x, jex_core.Literal) or x in built or x in pure for x in eqn.invars):
+        if eqn.effects or not all(from_literals(x) or x in built for x in eqn.invars):
             rest.append(eqn)
             continue
-        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
-        if (all(isinstance(x, jex_core.Literal) or x in pure for x in eqn.invars)
-                and all(v.aval.shape == () for v in eqn.outvars)):
+        fixed.append(eqn)
+        if all(map(from_literals, eqn.invars)) and all(v.aval.shape == () for v in eqn.outvars):
             pure.update(eqn.outvars)
             rest.append(eqn)
         else:
             built.update(eqn.outvars)
-    if not built:
+    if not built:  # the common case: nothing evaluated on the call's path
         return jaxpr, consts
+    env = {}
+    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
+    for eqn in fixed:
+        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
     needed = []
     for x in [x for eqn in rest for x in eqn.invars] + list(jaxpr.outvars):
         if isinstance(x, jex_core.Var) and x in built and x not in needed:
