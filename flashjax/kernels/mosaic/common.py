@@ -100,12 +100,6 @@ class Tiling:
         return self.softcap is not None or self.score_mod is not None
 
     @property
-    def masks_any_tile(self) -> bool:
-        """Whether the logits of a tile outside the mask's boundary tiles may hold -inf: a bias
-        (a mask folds into it) or a score_mod can put it anywhere."""
-        return self.bias or self.score_mod is not None
-
-    @property
     def exp2_scale(self) -> float:
         """The factor from `score`'s logits to the base-2 exponent of the softmax: the
         scale is folded into it (one FMA per entry) unless the softcap or score_mod has

@@ -118,17 +118,15 @@ class _Consumer(NamedTuple):
         return s
 
 
-def _online_softmax(s, m, scale_log2: float, masked: bool):
+def _online_softmax(s, m, scale_log2: float):
     """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
-    p = exp2(s * scale_log2 - m) is one FMA + MUFU op. `masked`: s may hold -inf (a mask,
-    or a bias, on any tile)."""
+    p = exp2(s * scale_log2 - m) is one FMA + MUFU op.
+
+    Every tile guards rows whose maximum is still -inf: a mask or bias on a masked tile, or
+    an infinite input on any tile, can leave a row without a finite logit, and such a row
+    must read as one without keys (p = 0, alpha = 0), never as -inf - -inf = NaN."""
     m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-    if masked:
-        # A row with no visible key so far keeps m = -inf; subtract 0 instead
-        # so that exp2 sees -inf - 0 = -inf (p = 0, alpha = 0), never NaN.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    else:
-        m_use = m_new
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
     return m_new, alpha, p
@@ -153,7 +151,7 @@ def synchronous_loop(c: _Consumer, tiles: BlockRange, carry, *, schedule_barrier
         s = c.scores(slot)
         plgpu.barrier_arrive(c.k_free.at[slot])
         s = c.logits(s, j, masked, kv_seg, c.bias(slot))
-        m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.masks_any_tile)
+        m_new, alpha, p = _online_softmax(s, m, scale_log2)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha
         p16 = c.weights(p, j)
@@ -203,7 +201,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
     s = c.scores(first)
     plgpu.barrier_arrive(c.k_free.at[first])
     s = c.logits(s, tiles.lo, True, kv_seg, c.bias(first))
-    m, alpha, p = _online_softmax(s, m, scale_log2, masked=True)  # acc is 0: nothing to rescale
+    m, alpha, p = _online_softmax(s, m, scale_log2)  # acc is 0: nothing to rescale
     l = l * alpha + p.sum(axis=1)  # l is 0, or 1 for the sink
     p16 = c.weights(p, tiles.lo)
     c.turn()
@@ -229,7 +227,7 @@ def overlapped_loop(c: _Consumer, tiles: BlockRange, carry):
                 acc_new = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
                 plgpu.barrier_arrive(c.v_free.at[prev])
             s = c.logits(s, j, masked, kv_seg, c.bias(slot))
-            m_new, alpha, p = _online_softmax(s, m, scale_log2, masked or t.masks_any_tile)
+            m_new, alpha, p = _online_softmax(s, m, scale_log2)
             l_new = l * alpha + p.sum(axis=1)
             p16_new = c.weights(p, j)
             if not masked:
