@@ -303,9 +303,10 @@ def _hoist_constants(jaxpr, consts: tuple):
     for x in [x for eqn in rest for x in eqn.invars] + list(jaxpr.outvars):
         if isinstance(x, jex_core.Var) and x in built and x not in needed:
             needed.append(x)
-    out = jex_core.Jaxpr((*jaxpr.constvars, *needed), jaxpr.invars, jaxpr.outvars, rest, jaxpr.effects,
-                         jaxpr.debug_info)
-    return out, (*consts, *(jnp.asarray(env[x]) for x in needed))
+    hoisted = tuple(jnp.asarray(env[x]) for x in needed)
+    # A jaxpr's constvars are the inputs with values attached (without, they are invars).
+    out = jaxpr.replace(constvars=(*jaxpr.constvars, *needed), eqns=rest, consts=(*jaxpr.consts, *hoisted))
+    return out, (*consts, *hoisted)
 
 
 def _used_inputs(jaxpr) -> list[bool]:

@@ -1055,6 +1055,12 @@ def test_arrays_built_inside_the_mods(rng):
 
         return dict(score_mod=score_mod, mask_mod=lambda b, h, i, j: jnp.arange(s.seq_q)[i] + 30 >= j)
 
+    # The built arrays are closed-over arrays like the table: their reads are loads, which
+    # every kernel has (on a GPU, a read counted as a computation refuses the Triton kernels).
+    for name, fn in options(arrays).items():
+        mod, consts = flex.trace(fn, name)
+        assert len(mod.jaxpr.constvars) == len(consts) == (3 if name == "score_mod" else 1)
+        assert "dynamic_slice" not in mod.primitives and "gather" not in mod.primitives, mod.primitives
     got, want = run_both(x, options, arrays)
     assert_matches(got, want, jnp.float32)
 
