@@ -597,7 +597,8 @@ def test_persistent_forward(monkeypatch, make_inputs, kernel_vjp, reference_vjp,
     if options.pop("bias", False):
         arrays["bias"] = jnp.asarray(rng.normal(size=(shape[0], shape[3], shape[1], shape[2])), BF16)
     if options.pop("sinks", False):
-        arrays["sinks"] = jnp.asarray(rng.normal(size=(shape[3],)), jnp.float32)
+        # The last head's sink is -inf: no sink, and its rows without keys are empty rows.
+        arrays["sinks"] = jnp.asarray(rng.normal(size=(shape[3],)), jnp.float32).at[-1].set(-jnp.inf)
     if options.pop("alibi", False):
         arrays["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * np.arange(1, shape[3] + 1) / shape[3]), jnp.float32)
     if options.get("dropout_rate"):

@@ -23,7 +23,7 @@ The arrays arrive padded to whole tiles (see `backend.py`); the mask spec holds 
 true lengths. Key tiles outside a query tile's range (`MaskSpec.kv_range`) are never
 loaded, the fully visible ones run without a mask, and only the boundary tiles (the
 causal diagonal, the last partial key tile) pay for the iota/where. Rows that see no
-key keep m = -inf and l = 0 and finish as o = 0, lse = -inf (with sinks, lse = the
+key keep l = 0 and finish as o = 0, lse = -inf (with sinks, lse = the
 sink's logit: the sink starts every row's running max and sum).
 """
 
@@ -44,6 +44,9 @@ from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.masks import BlockRange
 
 SCHEDULES = ("pingpong", "overlap")
+# The running row max's start (log2 units): at or below every finite logit, so the first
+# finite one replaces it, and finite, so a row of -inf logits keeps exponents of -inf.
+ROW_MAX_START = float(np.finfo(np.float32).min)
 
 
 class _Consumer(NamedTuple):
@@ -122,13 +125,12 @@ def _online_softmax(s, m, scale_log2: float):
     """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
     p = exp2(s * scale_log2 - m) is one FMA + MUFU op.
 
-    Every tile guards rows whose maximum is still -inf: a mask or bias on a masked tile, or
-    an infinite input on any tile, can leave a row without a finite logit, and such a row
-    must read as one without keys (p = 0, alpha = 0), never as -inf - -inf = NaN."""
+    m starts at ROW_MAX_START, not -inf: a row whose logits so far are all -inf (masked, or
+    an infinite input on any tile) keeps a finite m, so p = exp2(-inf) = 0 and alpha = 1,
+    never exp2(-inf - -inf) = NaN, without a select per row and tile."""
     m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_use)
-    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
     return m_new, alpha, p
 
 
@@ -362,13 +364,15 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
 
             row_layout = plgpu.Layout.WGMMA.reduce(1)
             if opt.sinks is None:
-                m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+                m = plgpu.layout_cast(jnp.full((block_q,), ROW_MAX_START, jnp.float32), row_layout)
                 l = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
             else:
                 # The sink is a key every row sees with logit sinks[h] and no value: the
-                # running max starts at it (log2 units) and the running sum at its weight, 1.
-                m = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout) + opt.sinks[h] * LOG2E
-                l = plgpu.layout_cast(jnp.full((block_q,), 1.0, jnp.float32), row_layout)
+                # running max starts at it (log2 units) and the running sum at its weight,
+                # 1 (0 for a sink of -inf, which is no key).
+                sink = opt.sinks[h] * LOG2E
+                m = jnp.maximum(plgpu.layout_cast(jnp.full((block_q,), ROW_MAX_START, jnp.float32), row_layout), sink)
+                l = jnp.exp2(sink - m)
             acc = common.zeros((block_q, v_head_dim))
             q_seg = None
             if t.segments:
