@@ -1,4 +1,4 @@
-"""Pieces shared by every kernel backend's glue: the base-2 constants, token padding, the backward's per-row
+"""Pieces shared by every kernel backend's glue: the base-2 constants and the running max's start, token padding, the backward's per-row
 inputs, and the exact merge of partial results (ring attention's steps, split-KV decoding's splits)."""
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ import jax.numpy as jnp
 # so the kernels' logsumexp is in log2 units (lse2 = lse / ln 2).
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# The online softmax's running row max starts here, not at -inf: at or below every finite
+# logit (the first finite one replaces it) and finite itself, so a row whose logits so far
+# are all -inf (masked, or from an infinite input) gets exp2(-inf - start) = 0 weights and a
+# rescale of 1, never exp2(-inf - -inf) = NaN, without a select per row and tile.
+ROW_MAX_START = -3.4028234663852886e38  # finfo(float32).min
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -38,15 +38,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashjax.kernels.common import LOG2E
+from flashjax.kernels.common import LOG2E, ROW_MAX_START
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
 from flashjax.masks import BlockRange
 
 SCHEDULES = ("pingpong", "overlap")
-# The running row max's start (log2 units): at or below every finite logit, so the first
-# finite one replaces it, and finite, so a row of -inf logits keeps exponents of -inf.
-ROW_MAX_START = float(np.finfo(np.float32).min)
 
 
 class _Consumer(NamedTuple):
@@ -125,9 +122,7 @@ def _online_softmax(s, m, scale_log2: float):
     """(m_new, alpha, p) for the scores s of one key tile, m in log2 units so that
     p = exp2(s * scale_log2 - m) is one FMA + MUFU op.
 
-    m starts at ROW_MAX_START, not -inf: a row whose logits so far are all -inf (masked, or
-    an infinite input on any tile) keeps a finite m, so p = exp2(-inf) = 0 and alpha = 1,
-    never exp2(-inf - -inf) = NaN, without a select per row and tile."""
+    m starts at `ROW_MAX_START`, finite: a row of -inf logits needs no guard."""
     m_new = jnp.maximum(m, s.max(axis=1) * scale_log2)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))

@@ -394,7 +394,7 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
     v_zeros = [jnp.zeros((block_q, size), jnp.float32) for _, size in t.v_blocks]
     carry = (
         v_zeros[0] if len(v_zeros) == 1 else tuple(v_zeros),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.full((block_q,), common.ROW_MAX_START, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     # The upper boundary always exists: the last tile of a sequence may be partial.

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.kernels.common import LOG2E
+from flashjax.kernels.common import LOG2E, ROW_MAX_START
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.scoring import Scorer
@@ -55,19 +55,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: S
         keep = scorer.keep(drop_base, rows, cols) if drop_base is not None else None
         return scoring.online_softmax_step(acc, m, l, s, v, keep=keep, precision=precision)
 
+    m = jnp.full((block_q,), ROW_MAX_START, jnp.float32)
+    l = jnp.zeros((block_q,), jnp.float32)
     if x.sinks is not None:
-        # The sink starts every row as a key of weight exp(sink) and no value: m = sink, l = 1.
-        carry = (
-            jnp.zeros((block_q, head_dim), jnp.float32),
-            jnp.full((block_q,), x.sinks[own.head] * LOG2E, jnp.float32),
-            jnp.ones((block_q,), jnp.float32),
-        )
-    else:
-        carry = (
-            jnp.zeros((block_q, head_dim), jnp.float32),
-            jnp.full((block_q,), -jnp.inf, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32),
-        )
+        # The sink starts every row as a key of weight exp(sink) and no value: m = sink, l = 1
+        # (l = 0 for a sink of -inf, which is no key).
+        sink = x.sinks[own.head] * LOG2E
+        m = jnp.maximum(m, sink)
+        l = jnp.exp2(sink - m)
+    carry = (jnp.zeros((block_q, head_dim), jnp.float32), m, l)
     tiles = spec.kv_range(q_block, block_q, block_k, num_k_blocks)
     if x.ranges is not None:
         tiles = masks.intersect(tiles, x.ranges)

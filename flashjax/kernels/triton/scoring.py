@@ -181,10 +181,10 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
     Args:
       acc: unnormalised output [block_q, D] (float32); a tuple of column blocks
         [block_q, D_i] when `v` is one.
-      m: running row max [block_q] of the base-2 logits.
+      m: running row max [block_q] of the base-2 logits, from `ROW_MAX_START` (finite).
       l: running row sum [block_q] of exp2(s - m).
       s: this tile's base-2 logits [block_q, block_k], -inf where masked (or where an
-        infinite input makes them so): a row may have seen no key yet, and m stays -inf.
+        infinite input makes them so): a row may have seen no key yet.
       v: this tile's values [block_k, D], or a tuple of their column blocks [block_k, D_i].
       keep: dropout keep mask of the tile; dropped weights still count in l
         (dropout acts on the normalised probabilities).
@@ -195,13 +195,11 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
     Returns:
       The updated (acc, m, l).
     """
+    # m starts at `ROW_MAX_START`, finite: a row of -inf logits (masked, or from an infinite
+    # input) gets p = 0 and alpha = 1 on any tile, with no guard.
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # A row with no visible key so far keeps m = -inf; shifting by 0 instead keeps
-    # exp2(-inf - (-inf)) = NaN out of alpha and p (both become 0). On every tile, not only
-    # the masked ones: an infinite input makes a row's logits -inf anywhere (one select a row).
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_shift)
-    p = jnp.exp2(s - m_shift[:, None])
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
