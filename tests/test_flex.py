@@ -1229,8 +1229,8 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     score_mod: one to three of a per-head or per-batch choice between Python constants (a
     scalar `where`), a per-head choice by a closed-over bool array, a square root of the
     score's magnitude, a learned table read at a clipped relative position, learned per-head
-    slopes times a distance, a select on the positions, a tanh cap and integer arithmetic
-    on the positions. mask_mod: a random program over positions (`_random_mask`), a
+    slopes times a distance, a select on the positions, a tanh cap, integer arithmetic
+    on the positions and a table the mod builds itself (`jnp.linspace`). mask_mod: a random program over positions (`_random_mask`), a
     per-head window made of constants, or both. Built-in options: causal, and at random a
     softcap, a window, kv lengths, packed documents and sinks. Every choice is drawn here,
     so that each trace of the functions is the same program. `arrays` are the learned
@@ -1250,6 +1250,7 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
         lambda a, s, b, h, i, j: jnp.where((i - j) % 3 == 0, s * c[2], s),
         lambda a, s, b, h, i, j: 3.0 * jnp.tanh(s / 3.0),
         lambda a, s, b, h, i, j: s + (i // 7 - j // 5).astype(jnp.float32) * 0.05,
+        lambda a, s, b, h, i, j: s + c[1] * jnp.linspace(-0.5, 0.5, 16)[jnp.clip(j - i + 8, 0, 15)],
     ]
     chosen = [pieces[p] for p in rng.choice(len(pieces), size=int(rng.integers(1, 4)), replace=False)]
     positions = _random_mask(rng, _DOCS)
