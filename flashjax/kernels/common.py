@@ -1,5 +1,6 @@
-"""Pieces shared by every kernel backend's glue: the base-2 constants and the running max's start, token padding, the backward's per-row
-inputs, and the exact merge of partial results (ring attention's steps, split-KV decoding's splits)."""
+"""Pieces shared by every kernel backend: the base-2 constants, the online softmax's start,
+token padding, the backward's per-row inputs, and the exact merge of partial results (ring
+attention's steps, split-KV decoding's splits)."""
 
 from __future__ import annotations
 
