@@ -264,6 +264,9 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
 
     closed = jax.make_jaxpr(checked)(*_scalar_args(name))
     jaxpr, consts = _hoist_constants(closed.jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
+    # The Mod is a jit static: its program pairs the constvars with shapes, not with the
+    # arrays (which may be tracers of the enclosing trace, and are passed as operands).
+    jaxpr = jaxpr.replace(consts=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in consts))
     used = _used_inputs(jaxpr)
     first_index = 1 if name == SCORE_MOD else 0
     mod = Mod(

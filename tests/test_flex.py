@@ -1082,6 +1082,24 @@ def test_scalar_selects_of_constants(rng):
     assert_matches(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_mods_keep_no_tracer_of_the_enclosing_trace(rng, backend):
+    """Mods closing over traced arrays (a table and document ids, jit arguments), under jit
+    and grad, with JAX's leak checker on: the traced mod (a jit static, cached) holds the
+    arrays' shapes, not the tracers."""
+    q = jnp.asarray(rng.standard_normal((1, 24, 2, 16)), jnp.float32)
+
+    def loss(q, table, ids):
+        o = flashjax.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j: s + table[h, j],
+                                     mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j], backend=backend)
+        return jnp.sum(o)
+
+    table, ids = jnp.asarray(rng.standard_normal((2, 24)), jnp.float32), jnp.zeros((1, 24), jnp.int32)
+    with jax.checking_leaks():
+        jax.block_until_ready(jax.jit(loss)(q, table, ids))
+        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, table, ids))
+
+
 def test_vmap_over_examples_and_tables(rng):
     """Under jax.vmap, with a closed-over table batched along with the inputs (one table per example)."""
     q = jnp.asarray(rng.standard_normal((3, 1, 20, 2, 16)), jnp.float32)
