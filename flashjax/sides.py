@@ -39,7 +39,7 @@ __all__ = ["split", "values"]
 _Q, _K, _BATCH, _HEAD = 1, 2, 4, 8
 
 
-# Bounded: a Mod holds the arrays it was traced with, which an unbounded cache would keep alive.
+# Bounded: keyed by user programs, which a long session may trace without end.
 @functools.lru_cache(maxsize=64)
 def split(mod: flex.Mod) -> flex.Mod | str:
     """The mask_mod `mod` with its one-sided position reads moved out (see the module
