@@ -726,6 +726,14 @@ def test_row_of_minus_inf_logits_is_a_row_without_keys(backend, seq_q, seq_k):
     np.testing.assert_array_equal(o[0, 0], 0.0)
     assert np.asarray(lse)[0, 0, 0] == -np.inf
     np.testing.assert_allclose(o[0, 1:], nn[0, 1:], rtol=tolerance(dtype), atol=tolerance(dtype) / 10)
+    # Its gradients: dq of the row is 0 and dv finite; dk multiplies the row's infinite q by
+    # its zero weight, NaN in that feature alone (as documented; jax.nn is NaN throughout).
+    loss = lambda q, k, v: jnp.sum(flashjax.flash_attention(q, k, v, backend=backend).astype(jnp.float32))
+    dq, dk, dv = (np.asarray(g.astype(jnp.float32)) for g in
+                  jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(a, dtype) for a in (q, k, v))))
+    np.testing.assert_array_equal(dq[0, 0], 0.0)
+    assert np.isfinite(dq[0, 1:]).all() and np.isfinite(dv).all()
+    assert np.isnan(dk[..., 0]).all() and np.isfinite(dk[..., 1:]).all()
 
 
 # Found by test_nan_and_inf_rows_match_jax_nn (thorough profile): NaN logits on a row past
