@@ -1248,8 +1248,9 @@ def random_mods(rng, shape: Shape) -> tuple[dict, Callable]:
     scalar `where`), a per-head choice by a closed-over bool array, a square root of the
     score's magnitude, a learned table read at a clipped relative position, learned per-head
     slopes times a distance, a select on the positions, a tanh cap, integer arithmetic
-    on the positions and a table the mod builds itself (`jnp.linspace`). mask_mod: a random program over positions (`_random_mask`), a
-    per-head window made of constants, or both. Built-in options: causal, and at random a
+    on the positions and a table the mod builds itself (`jnp.linspace`). mask_mod: a
+    random program over positions (`_random_mask`), a per-head window made of constants,
+    or both. Built-in options: causal, and at random a
     softcap, a window, kv lengths, packed documents and sinks. Every choice is drawn here,
     so that each trace of the functions is the same program. `arrays` are the learned
     table, slopes and sinks (differentiated by the tests).

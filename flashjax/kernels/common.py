@@ -17,7 +17,7 @@ LN2 = math.log(2.0)
 # logit (the first finite one replaces it) and finite itself, so a row whose logits so far
 # are all -inf (masked, or from an infinite input) gets exp2(-inf - start) = 0 weights and a
 # rescale of 1, never exp2(-inf - -inf) = NaN, without a select per row and tile.
-ROW_MAX_START = -3.4028234663852886e38  # finfo(float32).min
+ROW_MAX_START = float(jnp.finfo(jnp.float32).min)
 
 
 def round_up(n: int, multiple: int) -> int:
