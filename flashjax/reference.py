@@ -13,10 +13,10 @@ import numpy as np
 
 from flashjax import dropout, flex, masks
 
-__all__ = ["attention", "logits_mask", "scores"]
+__all__ = ["after_score_mod", "attention", "logits_mask", "scores"]
 
 
-def _grid(batch: int, heads: int, rows, seq_k: int):
+def index_grid(batch: int, heads: int, rows, seq_k: int):
     """Index arrays (batch, head, q_idx, kv_idx) broadcasting to [B, H, len(rows), Tk]."""
     return (
         jnp.arange(batch, dtype=jnp.int32)[:, None, None, None],
@@ -64,7 +64,7 @@ def logits_mask(
     if mask is not None:
         allowed = allowed & mask
     if mask_mod is not None:
-        allowed = allowed & flex.elementwise(mask_mod, *_grid(batch, heads, rows[:, 0], seq_k))
+        allowed = allowed & flex.elementwise(mask_mod, *index_grid(batch, heads, rows[:, 0], seq_k))
     return allowed
 
 
@@ -85,19 +85,25 @@ def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, sc
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(dtype), precision=hp).reshape(batch, heads, n_rows, seq_k)
     logits = logits * scale
+    positions = jnp.arange(seq_q) if rows is None else rows
     if score_mod is not None:
         # score_mod takes float32 scores (as in the kernels), also from float64 inputs.
-        positions = jnp.arange(seq_q) if rows is None else rows
         score = logits.astype(jnp.float32)
-        logits = flex.elementwise(score_mod, score, *_grid(batch, heads, positions, seq_k)).astype(dtype)
+        logits = flex.elementwise(score_mod, score, *index_grid(batch, heads, positions, seq_k)).astype(dtype)
+    return after_score_mod(logits, softcap=softcap, bias=bias, alibi_slopes=alibi_slopes, rows=positions, seq_q=seq_q)
+
+
+def after_score_mod(logits, *, softcap=None, bias=None, alibi_slopes=None, rows, seq_q: int):
+    """What follows score_mod in `scores`: the softcap, then bias and ALiBi, on logits
+    [B, H, len(rows), Tk] of the query rows `rows` (int positions among `seq_q` queries)."""
+    seq_k = logits.shape[-1]
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
-        logits = logits + masks.bias_logits(bias.astype(dtype))
+        logits = logits + masks.bias_logits(bias.astype(logits.dtype))
     if alibi_slopes is not None:
-        positions = jnp.arange(seq_q) if rows is None else rows
-        distance = jnp.abs(positions[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
-        logits = logits - alibi_slopes.astype(dtype)[None, :, None, None] * distance
+        distance = jnp.abs(rows[:, None] + (seq_k - seq_q) - jnp.arange(seq_k)[None, :])
+        logits = logits - alibi_slopes.astype(logits.dtype)[None, :, None, None] * distance
     return logits
 
 

@@ -1221,6 +1221,33 @@ def test_mods_on_hopper(case, dtype, rng):
     assert_matches(got, want, dtype)
 
 
+@pytest.mark.parametrize("seq_k, lanes", [(40, 10), (97, 1)])
+def test_closed_over_gradients_over_fewer_key_lanes(seq_k, lanes, monkeypatch):
+    """The gradients of a learned table and slopes when their copies per lane of keys are capped
+    (`extras_grad.SPREAD_ELEMENTS`): 40 keys over 10 lanes (the largest divisor under the cap),
+    and a prime key count over one; with a softcap, causal and kv lengths, against the reference."""
+    from flashjax.kernels import extras_grad
+
+    rng = np.random.default_rng(seq_k)
+    s = Shape(batch=2, seq_q=33, seq_k=seq_k, heads=4, kv_heads=2, head_dim=16)
+    arrays = dict(table=jnp.asarray(rng.standard_normal((4, 16)), jnp.float32),
+                  slopes=jnp.asarray(rng.uniform(0.01, 0.3, 4), jnp.float32))
+    elements = 4 * 16 + 4
+    monkeypatch.setattr(extras_grad, "SPREAD_ELEMENTS", elements * 12)
+    assert extras_grad._key_lanes(seq_k, elements) == lanes
+    jax.clear_caches()  # the backward's trace is cached with the default cap
+
+    def options(a):
+        def score_mod(s, b, h, i, j):
+            return s + a["table"][h, jnp.clip(i - j + 8, 0, 15)] - a["slopes"][h] * jnp.abs(i - j).astype(jnp.float32)
+
+        return dict(score_mod=score_mod, softcap=4.0, causal=True, kv_lengths=jnp.array([seq_k, seq_k // 2], jnp.int32))
+
+    got, want = run_both(draw(rng, s, jnp.float32), options, arrays)
+    assert_matches(got, want, jnp.float32)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("score_mod, additive", [
     pytest.param(mods.alibi(jnp.ones((2,))), True, id="alibi"),
     pytest.param(mods.t5_relative_bias(jnp.zeros((2, 32))), True, id="t5-table"),

@@ -14,6 +14,9 @@ from flashjax.params import AttentionParams, Extras
 # The gradient of the arrays a score_mod closes over is computed over chunks of query rows
 # holding about this many scores.
 CHUNK_SCORES = 1 << 22
+# At most this many float elements in the copies of those arrays that spread the pullback's
+# additions over the keys (`_score_mod_by_key_lane`).
+SPREAD_ELEMENTS = 1 << 22
 
 
 def sinks_grad(sinks, lse, delta):
@@ -32,11 +35,13 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
     """The gradients of the float arrays score_mod closes over (None for the others), in XLA.
 
     Over chunks of about CHUNK_SCORES scores (a few query rows, every key), the scores are
-    recomputed (one Q K^T and one dO V^T product, as the backward kernels do),
+    recomputed (one Q K^T and one dO V^T product, as the backward kernels do: products of
+    the inputs' dtype, exact in float32 for 16-bit inputs),
     dS = P (dP - delta) from the forward's lse, and dS is pulled back through score_mod
-    with jax.vjp; the chunks' gradients are summed in a loop. Memory: one chunk; compute:
-    about two matrix products per score pair, over every pair (masked ones included).
-    A separate XLA computation, so XLA drops it when those gradients are unused.
+    with jax.vjp, each lane of keys holding its own copy of the arrays
+    (`_score_mod_by_key_lane`); the chunks' gradients are summed in a loop. Memory: one
+    chunk; compute: about two matrix products per score pair, over every pair (masked ones
+    included). A separate XLA computation, so XLA drops it when those gradients are unused.
     """
     consts = extras.score_consts
     floats = flex.float_consts(consts)
@@ -50,20 +55,27 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
     mod, mask_mod = params.score_mod, params.mask_mod
     bias, mask = extras.bias, extras.mask
     q_seg = extras.q_segment_ids
-    hp = lax.Precision.HIGHEST
+    dtype = jnp.promote_types(q.dtype, jnp.float32)
+    lanes = _key_lanes(seq_k, sum(c.size for c in floats))
+
+    def product(x, y):  # [B, rows, H, D] x [B, Tk, Hkv, D] -> [B, H, rows, Tk] in `dtype`
+        x = x.reshape(batch, rows_per, kv_heads, group, -1)
+        out = jnp.einsum("bqhgd,bkhd->bhgqk", x, y, precision=lax.Precision.HIGHEST, preferred_element_type=dtype)
+        return out.reshape(batch, heads, rows_per, seq_k)
 
     def chunk(i, total):
         positions = i * rows_per + jnp.arange(rows_per, dtype=jnp.int32)
         real = positions < seq_q
         rows = jnp.minimum(positions, seq_q - 1)  # the chunk past the end repeats a row, weightless
         take = lambda x, axis: x if x is None or x.shape[axis] == 1 else jnp.take(x, rows, axis=axis)
-        q_c, do_c = take(q, 1), take(do, 1).astype(jnp.float32)
+        q_c, do_c = take(q, 1), take(do, 1)
         lse_c, delta_c = take(lse, 2), take(delta, 2)
+        raw = product(q_c, k) * params.scale
 
         def scores(floats):
-            bound = mod.bind(flex.merge_float_consts(consts, floats))
-            return reference.scores(q_c, k, scale=params.scale, softcap=params.softcap, bias=take(bias, 2),
-                                    alibi_slopes=extras.alibi_slopes, score_mod=bound, rows=rows, seq_q=seq_q)
+            modded = _score_mod_by_key_lane(mod, consts, floats, raw.astype(jnp.float32), rows, lanes)
+            return reference.after_score_mod(modded.astype(dtype), softcap=params.softcap, bias=take(bias, 2),
+                                             alibi_slopes=extras.alibi_slopes, rows=rows, seq_q=seq_q)
 
         s, pullback = jax.vjp(scores, floats)
         allowed = reference.logits_mask(
@@ -74,8 +86,7 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
         )
         live = allowed & real[:, None] & (lse_c != -jnp.inf)[..., None]
         p = jnp.where(live, jnp.exp(s - jnp.where(live, lse_c[..., None], 0.0)), 0.0)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_c.reshape(batch, rows_per, kv_heads, group, -1),
-                        v.astype(jnp.float32), precision=hp).reshape(batch, heads, rows_per, seq_k)
+        dp = product(do_c, v)
         if params.dropout_rate > 0.0:
             keep = dropout.keep_mask(extras.dropout_seed, params.dropout_rate, batch, heads, seq_q, seq_k,
                                      broadcast=params.broadcast_dropout, rows=rows)
@@ -86,3 +97,38 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
     zeros = tuple(jnp.zeros(c.shape, jnp.float32) for c in floats)
     grads = lax.fori_loop(0, n_chunks, chunk, zeros)
     return flex.merge_float_consts(consts, grads, others=None)
+
+
+def _key_lanes(seq_k: int, const_elements: int) -> int:
+    """How many copies of the float arrays `_score_mod_by_key_lane` spreads over: the largest
+    divisor of seq_k whose copies hold at most SPREAD_ELEMENTS elements (1: no copies)."""
+    lanes = max(1, min(seq_k, SPREAD_ELEMENTS // max(const_elements, 1)))
+    while seq_k % lanes:
+        lanes -= 1
+    return lanes
+
+
+def _score_mod_by_key_lane(mod, consts, floats, score, rows, lanes: int):
+    """score_mod at every score of `score` float32 [B, H, len(rows), Tk] (query rows `rows`),
+    with key j reading the float arrays `floats` through copy j % lanes.
+
+    The same values as `flex.elementwise` with the arrays closed over; what differs is the
+    pullback. A read of a small table at every score (a T5 bucket, a slope per head)
+    transposes to a scatter-add of every score's cotangent into the table's few entries,
+    and on a GPU those additions serialise on them (the whole gradient took 18x the
+    kernels' backward at 4k). With a copy per lane of keys, neighbouring scores add into
+    different copies, and the copies are summed once (the broadcast's transpose).
+    """
+    batch, heads, n_rows, seq_k = score.shape
+    copies = tuple(jnp.broadcast_to(f, (lanes, *f.shape)) for f in floats)
+    # Keys j = lanes * a + lane: the lane is the minor axis, so that consecutive keys differ in it.
+    score = score.reshape(batch, heads, n_rows, seq_k // lanes, lanes)
+    kv_idx = jnp.arange(seq_k, dtype=jnp.int32).reshape(seq_k // lanes, lanes)
+    grid = reference.index_grid(batch, heads, rows, 1)[:3]
+
+    def one_lane(floats_, score_, kv_idx_):
+        bound = mod.bind(flex.merge_float_consts(consts, floats_))
+        return flex.elementwise(bound, score_, *grid, kv_idx_)
+
+    out = jax.vmap(one_lane, in_axes=(0, 4, 1), out_axes=4)(copies, score, kv_idx)
+    return out.reshape(batch, heads, n_rows, seq_k)
