@@ -81,12 +81,15 @@ def decode_attention(
         cache (absorbed MLA, FlashMLA's layout): the values are then the first
         ``v_head_dim`` features of ``k_cache`` itself (e.g. 512 of 576), read once.
       kv_lengths: int [batch]: tokens held by each sequence, in [0, capacity] (``max_len``,
-        or ``pages_per_seq * page_size``). Keys at or past it get no weight; the key tile
-        that holds the length is read whole, so slots past it must hold finite values
-        (zeros, or stale tokens): a NaN or inf there reaches the output as 0 * NaN.
+        or ``pages_per_seq * page_size``). Keys at or past it get no weight, whatever
+        their slots hold (stale tokens, a NaN). Except with ``backend="mosaic"``, which
+        reads the key tile that holds the length whole: there the slots past the length
+        in that tile, and the pages it reaches through the table's entries past the
+        sequence's last page, must hold finite values (a NaN would reach the output as 0 * NaN).
       page_table: int [batch, pages_per_seq]: page ``p`` of sequence ``b`` (its keys
         ``p * page_size ...``) is ``k_cache[page_table[b, p]]``. Entries past a sequence's
-        last page are not read (any value, e.g. -1, is fine there).
+        last page may hold anything (e.g. -1): a tile that reaches them reads some page of
+        the pool, whose keys get no weight.
       causal: query ``i`` attends keys ``j <= i'`` (default True: the new tokens see the
         cache and each other causally).
       window: ``(left, right)``: query ``i`` attends keys ``i' - left <= j <= i' + right``;
@@ -109,7 +112,8 @@ def decode_attention(
         for a paged cache. Required with a float8 cache, refused with another.
       num_splits: parts each sequence's keys are split into (a static int), ``None`` to
         choose from the batch, kv heads, cache length and the GPU's SM count
-        (`flashjax.kernels.triton.decode.num_splits`). The xla backend ignores it.
+        (`flashjax.kernels.triton.decode.num_splits`); at most the cache's key tiles (a
+        larger count is cut to it). The xla backend ignores it.
       config: the decode kernel's tiling, `flashjax.DecodeConfig` (``block_k``,
         ``num_warps``, ``num_stages``), which selects the Triton backend; ``None`` for its
         default.

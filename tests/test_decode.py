@@ -213,6 +213,46 @@ def test_float8_cache_queries_far_outside_float16(rng):
     check(jnp.asarray(q).astype(BF16), cache, [128, 77])
 
 
+@pytest.mark.parametrize("scales", ["head", "page"])
+@pytest.mark.parametrize("magnitude", [1e-8, 1e5])
+def test_float8_cache_scales_far_from_one(rng, scales, magnitude):
+    """bfloat16 queries against a float8 cache whose value scales lie far outside float16's
+    range (the products run in float16): the scales still apply exactly, per kv head and per
+    page (16-key pages, several in one key tile, each with its own scale)."""
+    cache = make_cache(rng, 2, 128, 2, BF16, page_size=None if scales == "head" else 16, scales=scales)
+    cache = cache._replace(v_scale=cache.v_scale * magnitude, dense_v=cache.dense_v * np.float32(magnitude))
+    check(draw_q(rng, 2, 2, 4, BF16), cache, [128, 45])
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+def test_slots_past_the_lengths_may_hold_nan(rng, backend, page_size):
+    """Slots past each length, spare pages and the pages named by table entries past a
+    sequence's last page (-1 here) hold NaN: the output is the reference's on the filled
+    slots. The key tile that holds a length is read whole, and 16-key pages are gathered
+    into 128-key tiles through the -1 entries."""
+    lengths = [29, 0, 70]
+    cache = make_cache(rng, 3, 128, 2, BF16, page_size=page_size)
+    k, v = np.array(cache.k.astype(F32)), np.array(cache.v.astype(F32))
+    table = None
+    if page_size is None:
+        for b, length in enumerate(lengths):
+            k[b, length:] = v[b, length:] = np.nan
+    else:
+        table = np.array(cache.page_table)
+        filled = np.zeros(k.shape[:2], bool)  # [pages, page_size]
+        for b, length in enumerate(lengths):
+            for p in range(table.shape[1]):
+                n = int(np.clip(length - p * page_size, 0, page_size))
+                filled[table[b, p], :n] = True
+                if n == 0:
+                    table[b, p] = -1
+        k[~filled] = v[~filled] = np.nan
+        table = jnp.asarray(table)
+    poisoned = cache._replace(k=jnp.asarray(k).astype(BF16), v=jnp.asarray(v).astype(BF16), page_table=table)
+    check(draw_q(rng, 3, 2, 4, BF16), poisoned, lengths, backend=backend)
+
+
 @pytest.mark.parametrize("shift", [0, 20, -20, 120, -120])
 def test_float16_factors(rng, shift):
     """Rows scaled by their own power of two: exact for bfloat16 values within 2**-28 of the
@@ -576,7 +616,7 @@ def test_bad_paged_arguments(overrides, message):
 
 
 def test_unused_page_table_entries_are_not_checked(rng):
-    """Entries past a sequence's last page may hold anything (e.g. -1): they are never read."""
+    """Entries past a sequence's last page may hold anything (e.g. -1): they are not checked."""
     args = _args(paged=True, page_table=jnp.array([[0, -1], [2, 3]], jnp.int32), kv_lengths=jnp.array([16, 20], jnp.int32))
     assert flashjax.decode_attention(**args).shape == (2, 1, 4, D)
 

@@ -92,6 +92,8 @@ def decode(q, cache: KVCache, params: DecodeParams):
     v = k[..., :params.v_head_dim] if cache.v is None else _dense(cache.v, cache.v_scale, cache.page_table, dtype)
     q_len, capacity = q.shape[1], k.shape[1]
     lengths = cache.lengths[:, None, None, None]
+    # Slots past the length may hold anything (NaN included): their weight is 0, 0 * NaN is not.
+    v = jnp.where(jnp.arange(capacity)[None, :, None, None] < lengths, v, 0.0)
     # Query i of a sequence of length L sits at key position L - q_len + i.
     rows = lengths - q_len + jnp.arange(q_len)[:, None]
     allowed = params.mask_spec(q_len).allowed(rows, jnp.arange(capacity)[None, :], kv_length=lengths)

@@ -90,15 +90,8 @@ def float16_factors(magnitude):
     included) are scaled by 2**126 only, so that both factors stay normal float32. Plain
     bit arithmetic (no `frexp`), so that the Triton kernel computes it too.
     """
-    bits = lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.int32)
-    # magnitude < 2**exponent for a normal float32 (its biased exponent minus 126).
-    exponent = lax.shift_right_logical(bits, jnp.int32(23)) - 126
-    shift = jnp.clip(15 - exponent, -113, 126)
-
-    def power_of_two(e):  # exactly 2**e, built from its bits
-        return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), jnp.float32)
-
-    return power_of_two(shift), power_of_two(-shift)
+    shift = jnp.clip(15 - scoring.exponent_above(magnitude), -113, 126)
+    return scoring.power_of_two(shift), scoring.power_of_two(-shift)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -283,8 +276,10 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
     t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1,
                      num_warps=config.num_warps or 4, num_stages=config.num_stages, head_dim=head_dim,
                      v_head_dim=v_head_dim, latent=latent)
+    key_tiles = -(-capacity // block_k)
     if splits is None:
-        splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=-(-capacity // block_k), sm_count=sm_count)
+        splits = num_splits(programs=batch * kv_heads * t.q_tiles, key_tiles=key_tiles, sm_count=sm_count)
+    splits = min(splits, key_tiles)  # a split past the last tile would read nothing
     if config.num_warps is None and splits == 1 and jnp.dtype(cache.k.dtype).name == FLOAT8:
         t = dataclasses.replace(t, num_warps=2)
     return dataclasses.replace(t, num_splits=splits)
@@ -387,7 +382,12 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
             v_blocks, v_page_scale = k_blocks[: len(t.v_blocks)], k_page_scale
         else:
             v_blocks = [v.astype(compute_dtype) for v in v_blocks]
-        v_factor = v_scale if v_page_scale is None else v_page_scale
+        if masked:
+            # Slots past the length (stale cache slots, pages the table's padding names) may
+            # hold anything, NaN included: their weight is 0, and 0 * NaN would not be.
+            filled = jnp.transpose(cols) < length
+            v_blocks = [jnp.where(filled, v, jnp.zeros_like(v)) for v in v_blocks]
+        v_factor = v_page_scale
         values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
         return scoring.online_softmax_step(acc, m, l, s, values, v_scale=v_factor, precision=precision)
 
@@ -402,6 +402,8 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
     # Rows that met no key in this split output 0 with lse -inf (weight 0 in the merge).
     empty = l == 0.0
     inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    if v_scale is not None:  # a scale per kv head applies to the output, in float32
+        inv_l = inv_l * v_scale
     if len(t.v_blocks) == 1:
         o_ref[...] = acc * inv_l[:, None]
     else:

@@ -188,9 +188,12 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
       v: this tile's values [block_k, D], or a tuple of their column blocks [block_k, D_i].
       keep: dropout keep mask of the tile; dropped weights still count in l
         (dropout acts on the normalised probabilities).
-      v_scale: the values' dequantisation scale (a float8 cache's), a scalar or per key
-        row [1, block_k]: it multiplies the weights in the P.V product only, so l
-        sums the unscaled weights.
+      v_scale: the values' dequantisation scale (a float8 cache's per page), a scalar or
+        per key row [1, block_k]: it multiplies the weights in the P.V product only, so l
+        sums the unscaled weights. The weights enter the product's dtype (float16 for a
+        float8 cache) as p * v_scale / u, with u the power of two just above the tile's
+        largest scale, and u multiplies the product in float32: a scale far from 1 (1e-8,
+        1e5) neither underflows nor overflows float16.
 
     Returns:
       The updated (acc, m, l).
@@ -203,13 +206,38 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
     l = l * alpha + jnp.sum(p, axis=1)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
+    unit = None
     if v_scale is not None:
-        p = p * v_scale
+        unit, inv_unit = power_of_two_above(jnp.max(v_scale))
+        p = p * (v_scale * inv_unit)
+
+    def product(b):
+        out = dot(p.astype(b.dtype), b, precision=precision)
+        return out if unit is None else out * unit
+
     if isinstance(v, tuple):
-        acc = tuple(a * alpha[:, None] + dot(p.astype(b.dtype), b, precision=precision) for a, b in zip(acc, v))
+        acc = tuple(a * alpha[:, None] + product(b) for a, b in zip(acc, v))
     else:
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, precision=precision)
+        acc = acc * alpha[:, None] + product(v)
     return acc, m_new, l
+
+
+def exponent_above(x):
+    """The int32 e with x < 2**e <= 2x for a positive normal float32 x (0 gives -126), from
+    its bits: exact, and what Triton lowers (it has no frexp)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return lax.shift_right_logical(bits, jnp.int32(23)) - 126
+
+
+def power_of_two(e):
+    """Exactly 2**e (int32 e in [-126, 127]) as float32, built from its bits."""
+    return lax.bitcast_convert_type(lax.shift_left(e + 127, jnp.int32(23)), jnp.float32)
+
+
+def power_of_two_above(x):
+    """(u, 1 / u): u the power of two with x < u <= 2x for a positive normal float32 x."""
+    e = jnp.clip(exponent_above(x), -126, 126)  # u and 1 / u both normal
+    return power_of_two(e), power_of_two(-e)
 
 
 def visit_tiles(block_range: BlockRange, step, carry, lower_boundary: bool, upper_boundary: bool):
