@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="compare with generation without a cache")
     p.add_argument("--out", default=None, help="write a JSON summary here")
     args = p.parse_args(argv)
+    if args.new_tokens < 1:
+        p.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
     args.seq_len = args.context + args.new_tokens  # the position table's size (DecoderLM)
     args.cache_len = args.cache_len or args.seq_len
     if args.cache_len < args.seq_len:
@@ -111,6 +113,8 @@ def _decode_loop(model, token, position, steps: int):
         return model, token, tokens.at[:, i].set(token)
 
     tokens = jnp.zeros((token.shape[0], steps), jnp.int32)
+    if steps == 0:  # one new token in all: the prefill's
+        return tokens
     return nnx.fori_loop(0, steps, body, (model, token, tokens))[2]
 
 

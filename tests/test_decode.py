@@ -334,6 +334,16 @@ def test_num_splits(rng, num_splits):
     check(draw_q(rng, 2, 2, 4, F32), cache, [1000, 300], num_splits=num_splits, window=(600, None))
 
 
+def test_num_splits_cut_to_the_key_tiles(rng):
+    """More splits than key tiles (1000 for 1024 keys in 64-key tiles, the pages) run as one split per tile."""
+    cache = make_cache(rng, 2, 1024, 2, F32, page_size=64)
+    q, lengths = draw_q(rng, 2, 1, 4, F32), jnp.asarray([1000, 300], jnp.int32)
+    kv = KVCache(cache.k, cache.v, lengths, cache.page_table)
+    t = triton_decode.tiling(q, kv, 1000, sm_count=0)
+    assert (t.block_k, t.num_splits) == (64, 1024 // 64)
+    check(q, cache, lengths, num_splits=1000)
+
+
 @pytest.mark.parametrize(
     "config,page_size",
     [

@@ -77,3 +77,11 @@ def test_generate_with_cache_matches_without(generate, tmp_path):
     assert runs["flash"]["tokens"] == runs["flax"]["tokens"] == runs["flash-long-cache"]["tokens"]
     assert runs["flash-long-cache"]["config"]["cache_len"] == 75
     assert np.asarray(runs["flash"]["tokens"]).shape == (2, 7)
+
+
+def test_generate_one_new_token(generate, tmp_path):
+    """One new token in all (the prefill's, no decode step): the token of generation without a cache."""
+    out = tmp_path / "one.json"
+    generate.main(TINY_GENERATE + ["--new-tokens", "1", "--check", "--out", str(out)])
+    run = json.loads(out.read_text())
+    assert run["matches_no_cache"] and np.asarray(run["tokens"]).shape == (2, 1)
