@@ -49,9 +49,20 @@ class BlockRange(NamedTuple):
     hi: jnp.ndarray
 
 
+def int32_div(x, d):
+    """lax.div (truncating: a floor for x >= 0) of int32 index values, also under
+    ``jax_enable_x64``, where a Python int becomes int64 and lax.div will not mix the two."""
+    return lax.div(jnp.asarray(x, jnp.int32), jnp.asarray(d, jnp.int32))
+
+
+def int32_rem(x, d):
+    """lax.rem of int32 index values (see `int32_div`)."""
+    return lax.rem(jnp.asarray(x, jnp.int32), jnp.asarray(d, jnp.int32))
+
+
 def _cdiv_nonneg(x, d: int):
     # lax.div truncates toward zero; callers clamp x >= 0 first so this is a ceiling.
-    return lax.div(x + (d - 1), d)
+    return int32_div(jnp.asarray(x, jnp.int32) + (d - 1), d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +143,14 @@ class MaskSpec:
         sit at positions ``length - q_len + i`` and `length` may be traced (>= 0).
         """
         hi = _cdiv_nonneg(jnp.minimum(length, num_k_blocks * block_k), block_k)
-        full_hi = lax.div(length, block_k)  # a tile holding padding keys needs the mask
+        full_hi = int32_div(length, block_k)  # a tile holding padding keys needs the mask
         lo = jnp.int32(0)
         full_lo = jnp.int32(0)
         if self.right is not None:
             hi = jnp.minimum(hi, _cdiv_nonneg(jnp.maximum(last_row + self.right + 1, 0), block_k))
-            full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(first_row + self.right + 1, 0), block_k))
+            full_hi = jnp.minimum(full_hi, int32_div(jnp.maximum(first_row + self.right + 1, 0), block_k))
         if self.left is not None:
-            lo = lax.div(jnp.maximum(first_row - self.left, 0), block_k)
+            lo = int32_div(jnp.maximum(first_row - self.left, 0), block_k)
             full_lo = _cdiv_nonneg(jnp.maximum(last_row - self.left, 0), block_k)
         return _ordered(lo, full_lo, full_hi, hi)
 
@@ -154,11 +165,11 @@ class MaskSpec:
         full_hi = jnp.int32(num_q_blocks)
         if self.right is not None:
             # Rows i with i + right >= col for some col of the tile.
-            lo = lax.div(jnp.maximum(first_col - self.right, 0), block_q)
+            lo = int32_div(jnp.maximum(first_col - self.right, 0), block_q)
             full_lo = _cdiv_nonneg(jnp.maximum(last_col - self.right, 0), block_q)
         if self.left is not None:
             hi = jnp.minimum(hi, _cdiv_nonneg(jnp.maximum(last_col + self.left + 1, 0), block_q))
-            full_hi = jnp.minimum(full_hi, lax.div(jnp.maximum(first_col + self.left + 1, 0), block_q))
+            full_hi = jnp.minimum(full_hi, int32_div(jnp.maximum(first_col + self.left + 1, 0), block_q))
         # A key tile that reaches past the keys' length is a boundary tile for every row;
         # one that starts past it is met by no row at all.
         has_padding = (k_block + 1) * block_k > length

@@ -730,3 +730,37 @@ def test_hopper_backward_fits_wide_head_dims(on_hopper, qk_dim, v_dim, kv_heads,
 
     text = lower_for_cuda(loss, q, k, v)
     assert set(re.findall(r"flashjax_mosaic_(fwd|dkv|dq)\b", text)) == {"fwd", "dkv", "dq"}
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(causal=True), id="causal"),
+    pytest.param(dict(causal=True, window=(300, 0), sinks=True, lengths=True), id="window-sinks-lengths"),
+    pytest.param(dict(causal=False, segments=True, softcap=20.0, dropout=True), id="segments-softcap-dropout"),
+])
+def test_lowers_for_sm90_under_x64(on_hopper, backend, options):
+    """With ``jax_enable_x64`` on (Python ints become int64), bf16 calls still lower for sm_90,
+    forward and backward: the kernels' index arithmetic stays int32."""
+    import flashjax
+
+    options = dict(options)
+    q = jax.ShapeDtypeStruct((2, SEQ_Q, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, SEQ_K, 2, 128), jnp.bfloat16)
+    kwargs = dict(causal=options.pop("causal"), window=options.pop("window", None), softcap=options.pop("softcap", None))
+    if options.pop("sinks", False):
+        kwargs["sinks"] = jnp.zeros((4,), jnp.float32)
+    if options.pop("lengths", False):
+        kwargs["kv_lengths"] = jnp.array([SEQ_K, 300], jnp.int32)
+    if options.pop("segments", False):
+        kwargs["segment_ids"] = (jnp.zeros((2, SEQ_Q), jnp.int32), jnp.zeros((2, SEQ_K), jnp.int32))
+    if options.pop("dropout", False):
+        kwargs.update(dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
+    assert not options
+
+    def loss(q, k, v):
+        o, lse = flashjax.flash_attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    with jax.enable_x64(True):
+        text = lower_for_cuda(loss, q, kv, kv)
+    assert (MOSAIC_CALL if backend == "mosaic" else TRITON_CALL) in text

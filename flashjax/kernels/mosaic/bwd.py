@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from flashjax import masks
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling, loop
 
@@ -243,7 +244,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         steps = group * per_head
 
         def _consumer(wg):
-            tile = lax.rem(wg, tiles_per_cta)  # the CTA's key tile this consumer works on (traced: the lowering
+            tile = masks.int32_rem(wg, tiles_per_cta)  # the CTA's key tile this consumer works on (traced: the lowering
             # fails on a static index of shared memory read in the loop)
             k_smem, v_smem = k_smem2.at[tile], v_smem2.at[tile]
             k_block = pair * tiles_per_cta + tile
@@ -274,7 +275,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
 
             def step(s, i, carry, masked: bool, role: str, slope, stream, mod):
-                slot = lax.rem(s, stages)
+                slot = masks.int32_rem(s, stages)
                 wait_inputs(slot)
                 if role == "dk":  # no scores: dS^T comes from the dV consumer's P^T
                     carry = _dk_from_pd(carry, i, slot, smem, pd_smem, pd_ready, k_start=k_start, t=t, stream=stream)
@@ -312,7 +313,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
             def skip(s, _):
                 # A query tile the CTA streams but this key tile does not meet: keep the
                 # ring's barriers in step without computing.
-                slot = lax.rem(s, stages)
+                slot = masks.int32_rem(s, stages)
                 wait_inputs(slot)
                 if t.bias:
                     plgpu.barrier_wait(bias_ready.at[slot])
@@ -360,9 +361,9 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
         def _producer():
 
             def load(s):
-                slot = lax.rem(s, stages)
-                h = hk * group + lax.div(s, per_head)
-                rows = pl.ds((ring_lo + lax.rem(s, per_head)) * block_q, block_q)
+                slot = masks.int32_rem(s, stages)
+                h = hk * group + masks.int32_div(s, per_head)
+                rows = pl.ds((ring_lo + masks.int32_rem(s, per_head)) * block_q, block_q)
                 if t.segments:
                     plgpu.copy_gmem_to_smem(opt.q_segment_ids.at[b, rows], q_seg_smem.at[slot], q_seg_ready.at[slot])
                 if t.bias:  # this query tile's rows, the CTA's key columns
@@ -378,7 +379,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
 
             @pl.loop(stages, jnp.maximum(steps, stages))
             def _(s):
-                plgpu.barrier_wait(free.at[lax.rem(s, stages)])
+                plgpu.barrier_wait(free.at[masks.int32_rem(s, stages)])
                 load(s)
 
         common.warp_specialized(_consumer, _producer)
@@ -471,7 +472,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
                 q_seg = common.own_segment_ids(opt.q_segment_ids.at[b, rows], q_seg_smem2.at[wg], q_seg_ready.at[wg], 0)
 
             def step(j, acc, masked: bool):
-                slot, v_slot = lax.rem(j - ring_lo, stages), lax.rem(j - ring_lo, v_stages)
+                slot, v_slot = masks.int32_rem(j - ring_lo, stages), masks.int32_rem(j - ring_lo, v_stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 kv_seg = common.ring_segment_ids(kv_seg_smem, kv_seg_ready, slot, 1, masked) if t.segments else None
 
@@ -530,7 +531,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
             plgpu.wait_smem_to_gmem(0)
 
         def _producer():
-            kv_head = lax.div(h, group)
+            kv_head = masks.int32_div(h, group)
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), (k_free, v_free),
                 at=lambda j: (b, pl.ds(j * block_kv, block_kv), kv_head),

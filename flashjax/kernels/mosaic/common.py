@@ -386,8 +386,8 @@ class Items(NamedTuple):
         """(head, pair position, batch row) of this CTA's item `step`; the position as
         `pair_index` takes it."""
         index = table[lax.axis_index("cta"), 1 + step]
-        return lax.div(index, self.pairs * self.batch), lax.rem(lax.div(index, self.batch), self.pairs), \
-            lax.rem(index, self.batch)
+        return masks.int32_div(index, self.pairs * self.batch), masks.int32_rem(masks.int32_div(index, self.batch), self.pairs), \
+            masks.int32_rem(index, self.batch)
 
 
 @functools.lru_cache(maxsize=64)
@@ -431,7 +431,7 @@ def stream_kv(k_ref, v_ref, k_smem, v_smem, ready, free, *, at, lo, hi, stages: 
     start = lo if origin is None else origin
 
     def load(j, wait_k, wait_v):
-        slot, v_slot = lax.rem(j - start, stages), lax.rem(j - start, v_stages)
+        slot, v_slot = masks.int32_rem(j - start, stages), masks.int32_rem(j - start, v_stages)
         if wait_k is True:
             plgpu.barrier_wait(k_free.at[slot])
         elif wait_k is not False:
@@ -495,7 +495,7 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None, v_sta
     v_stages = v_stages or stages
 
     def body(j, _):
-        slot, v_slot = lax.rem(j - ring_lo, stages), lax.rem(j - ring_lo, v_stages)
+        slot, v_slot = masks.int32_rem(j - ring_lo, stages), masks.int32_rem(j - ring_lo, v_stages)
         for barrier in ready:
             plgpu.barrier_wait(barrier.at[slot])
         for barrier in v_ready:

@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from flashjax import masks
 from flashjax.kernels.common import LOG2E, ROW_MAX_START
 from flashjax.kernels.mosaic import common
 from flashjax.kernels.mosaic.common import COMPUTE_WGS, OptionalInputs, Tiling
@@ -74,7 +75,7 @@ class _Consumer(NamedTuple):
     mod: object = None  # the user functions' `common.ModInputs`, with score_mod or mask_mod
 
     def slot(self, j):
-        return lax.rem(j - self.ring_lo, self.stages)
+        return masks.int32_rem(j - self.ring_lo, self.stages)
 
     def kv_segments(self, slot, masked: bool):
         """The segment ids of the key tile in `slot` (`common.ring_segment_ids`; None without
@@ -424,7 +425,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         def produce(b, h, pair, ring, origin):
             """The K/V tiles `ring` (first, end) of item (b, h, pair) into the ring, which
             started at tile `origin`."""
-            kv_head = lax.div(h, group)  # GQA: the query head's kv head; K/V never repeated
+            kv_head = masks.int32_div(h, group)  # GQA: the query head's kv head; K/V never repeated
             ring_lo, ring_hi = ring
 
             def bias_rows(j):
@@ -435,8 +436,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 """Key tile j of batch row b: a slice of its row, or of its page."""
                 if not paged:
                     return b, pl.ds(j * block_kv, block_kv), kv_head
-                page = pages_ref[b, lax.div(j, tiles_per_page)]
-                return page, pl.ds(lax.rem(j, tiles_per_page) * block_kv, block_kv), kv_head
+                page = pages_ref[b, masks.int32_div(j, tiles_per_page)]
+                return page, pl.ds(masks.int32_rem(j, tiles_per_page) * block_kv, block_kv), kv_head
 
             common.stream_kv(
                 k_ref, v_ref, k_smem, v_smem, (k_ready, v_ready), free,

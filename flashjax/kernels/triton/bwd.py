@@ -252,7 +252,7 @@ def _tile_start(index, block: int):
 def divmod_(a, b: int):
     if b == 1:
         return a, 0
-    return lax.div(a, b), lax.rem(a, b)
+    return masks.int32_div(a, b), masks.int32_rem(a, b)
 
 
 def _group_extra_specs(x: Extras, *, block_k: int, seq_q: int, group: int) -> Extras:

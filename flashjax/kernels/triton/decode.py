@@ -46,7 +46,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -307,10 +306,10 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
     # Row r holds query r // group; bottom-right aligned to this sequence's own length.
     first = q_tile * block_q
     offset = length - t.q_len
-    rows = offset + lax.div(first + jnp.arange(block_q, dtype=jnp.int32)[:, None], t.group)
+    rows = offset + masks.int32_div(first + jnp.arange(block_q, dtype=jnp.int32)[:, None], t.group)
     last = jnp.minimum(first + block_q, t.rows) - 1  # padded rows do not widen the range
-    tiles = spec.kv_range_at(offset + lax.div(first, t.group), offset + lax.div(last, t.group), length, block_k, num_k_tiles)
-    per_split = lax.div(tiles.hi - tiles.lo + (t.num_splits - 1), t.num_splits)
+    tiles = spec.kv_range_at(offset + masks.int32_div(first, t.group), offset + masks.int32_div(last, t.group), length, block_k, num_k_tiles)
+    per_split = masks.int32_div(tiles.hi - tiles.lo + (t.num_splits - 1), t.num_splits)
     lo = tiles.lo + split * per_split
     tiles = masks.restrict(tiles, lo, lo + per_split)
     whole = t.k_blocks == ((0, head_dim),)
@@ -346,8 +345,8 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
             keys = pl.ds(tile_start(j), block_k)
             return [ref[keys, features(*b)] for b in blocks], None
         if t.page_size >= block_k:  # a slice of one page
-            page = c.page_table[lax.div(j, t.tiles_per_page)]
-            start = pl.multiple_of(lax.rem(j, t.tiles_per_page) * block_k, block_k)
+            page = c.page_table[masks.int32_div(j, t.tiles_per_page)]
+            start = pl.multiple_of(masks.int32_rem(j, t.tiles_per_page) * block_k, block_k)
             scale = scale_ref[page] if scales == "page" else None
             return [ref[page, pl.ds(start, block_k), features(*b)] for b in blocks], scale
         n = t.pages_per_tile  # whole pages gathered
