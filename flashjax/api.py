@@ -62,7 +62,8 @@ def flash_attention(
     ``backend="xla"``.
 
     A row whose keys are all masked (by any option, including a bias of ``-inf`` or of
-    ``finfo.min``, Flax's masking idiom: bias values at or below -1.7014e38 mask their key)
+    float32's or bfloat16's ``finfo.min``, Flax's masking idiom: bias values at or below
+    -1.7014e38 mask their key; float16's -65504 does not)
     outputs 0, with lse ``-inf`` (the sink's logit with ``sinks``) and zero gradients,
     never NaN. (``jax.nn`` and Flax return the mean of the values for such rows.)
 
@@ -85,7 +86,8 @@ def flash_attention(
       scale: logit scale (a static Python number); defaults to ``1 / sqrt(head_dim)``.
       bias: additive float bias broadcastable to ``[batch, heads, q_len, kv_len]``,
         read tile by tile (never expanded); added after the softcap. ``-inf`` and
-        values at or below -1.7014e38 (``finfo.min``) mask their key. Its gradient is
+        values at or below -1.7014e38 (float32's or bfloat16's ``finfo.min``, not
+        float16's) mask their key. Its gradient is
         reduced over the axes it broadcasts along.
       mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]``; True = attend
         (the convention of ``jax.nn.dot_product_attention`` and Flax).
@@ -228,7 +230,7 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         if not isinstance(flag, (bool, jnp.bool_)):
             raise ValueError(f"{name} must be a bool, got {flag!r}.")
     scale = checks.check_scale(scale, head_dim)
-    window = checks.check_window(window)
+    window = checks.check_window(window, span=seq_q + seq_k)
     softcap = checks.check_softcap(softcap)
     dropout_rate = checks.check_dropout(dropout_rate, dropout_rng)
     shape = (batch, heads, seq_q, seq_k)

@@ -55,7 +55,7 @@ def check_qkv(q, k, v, *, v_head_dim: bool = False):
     if min(q.shape[1], k.shape[1]) < 1:
         raise ValueError(f"sequence lengths must be >= 1, got {_shape_str(q, k, v)}.")
     heads, kv_heads = q.shape[2], k.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
+    if kv_heads < 1 or heads < 1 or heads % kv_heads:
         raise ValueError(
             f"the number of query heads ({heads}) must be a multiple of the key/value heads ({kv_heads}); "
             f"got {_shape_str(q, k, v)}."
@@ -106,8 +106,12 @@ def check_softcap(softcap) -> float | None:
     return softcap
 
 
-def check_window(window):
-    """(left, right) with ints >= 0 or None per side; None when both sides are unbounded."""
+def check_window(window, span: int | None = None):
+    """(left, right) with ints >= 0 or None per side; None when both sides are unbounded.
+
+    A side of `span` or more (the call's query and key positions all lie within `span`
+    of each other) reaches every key: it is returned as None, the same mask, so that a
+    huge side (2**31 - 1 for "unbounded") never enters the int32 position arithmetic."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -120,7 +124,7 @@ def check_window(window):
             if value > MAX_POSITION:
                 raise ValueError(f"window {side} must be at most {MAX_POSITION} (positions are int32); "
                                  f"use None for an unbounded side, got {value!r}.")
-            checked.append(int(value))
+            checked.append(None if span is not None and value >= span else int(value))
         else:
             raise ValueError(f"window {side} must be an int >= 0 or None (a static Python int), got {value!r}.")
     return tuple(checked) if checked != [None, None] else None
@@ -184,6 +188,9 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
             raise ValueError(f"{name} must have shape {(batch, length)}, got {getattr(ids, 'shape', type(ids).__name__)}.")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
+        if isinstance(ids, np.ndarray) and ids.size and (ids.min() < -(2**31) or ids.max() > MAX_POSITION):
+            # The cast to int32 would wrap them, and two documents could then share an id.
+            raise ValueError(f"{name} must fit int32, got values in [{ids.min()}, {ids.max()}].")
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
 
 
@@ -202,6 +209,8 @@ def check_lengths(name: str, lengths, batch: int):
     if lengths is None:
         return None
     _check_vector(name, lengths, batch, "batch", jnp.integer, "integers")
+    if isinstance(lengths, np.ndarray):  # clamped in NumPy: JAX would cast 64-bit ones to int32 first
+        lengths = np.minimum(lengths, np.asarray(MAX_POSITION).astype(lengths.dtype))
     if jnp.iinfo(lengths.dtype).max > MAX_POSITION:
         lengths = jnp.minimum(lengths, jnp.asarray(MAX_POSITION).astype(lengths.dtype))
     return lengths.astype(jnp.int32)
@@ -221,6 +230,8 @@ def check_slopes(slopes, heads: int):
         return None
     if not hasattr(slopes, "shape") or tuple(slopes.shape) != (heads,):
         raise ValueError(f"alibi_slopes must have shape ({heads},) [heads], got {getattr(slopes, 'shape', type(slopes).__name__)}.")
+    if not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise ValueError(f"alibi_slopes must be a floating array (a slope per head), got dtype {slopes.dtype}.")
     return jax.lax.stop_gradient(slopes.astype(jnp.float32))
 
 

@@ -195,7 +195,7 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
     checks.check_cache_contents(lengths, page_table, capacity, page_size, num_pages)
     if not isinstance(causal, (bool, jnp.bool_)):
         raise ValueError(f"causal must be a bool, got {causal!r}.")
-    window = checks.check_window(window)
+    window = checks.check_window(window, span=capacity + q_len)
     softcap = checks.check_softcap(softcap)
     scale = checks.check_scale(scale, head_dim)
     num_splits = checks.check_num_splits(num_splits)

@@ -38,6 +38,7 @@ ARRAY_ERRORS = [
     pytest.param(lambda: arrays(q_shape=(B, 0, H, D)), "sequence lengths", id="q-len-0"),
     pytest.param(lambda: arrays(kv_shape=(B, 0, H, D)), "sequence lengths", id="kv-len-0"),
     pytest.param(lambda: arrays(q_shape=(B, T, 3, D), kv_shape=(B, T, 2, D)), "heads", id="heads-not-divisible"),
+    pytest.param(lambda: arrays(q_shape=(B, T, 0, D)), "query heads", id="no-query-heads"),
     pytest.param(lambda: arrays(q_shape=(B, T, 2, D), kv_shape=(B, T, 4, D)), "heads", id="more-kv-heads"),
     pytest.param(lambda: arrays(q_shape=(B, T, H, 0), kv_shape=(B, T, H, 0)), "head_dim", id="head-dim-0"),
     pytest.param(lambda: arrays(k_dtype=jnp.bfloat16), "dtype", id="dtype-mismatch-k"),
@@ -102,6 +103,7 @@ OPTION_ERRORS = [
     pytest.param(dict(q_lengths=jnp.zeros((B + 1,), jnp.int32)), "q_lengths", id="q-lengths-shape"),
     pytest.param(dict(kv_lengths=jnp.zeros((B,), jnp.float32)), "kv_lengths", id="kv-lengths-float"),
     pytest.param(dict(alibi_slopes=jnp.zeros((H + 1,))), "alibi_slopes", id="alibi-shape"),
+    pytest.param(dict(alibi_slopes=jnp.ones((H,), jnp.int32)), "alibi_slopes must be a floating", id="alibi-int"),
 ]
 
 
@@ -131,6 +133,34 @@ def test_unsigned_lengths_past_int32_mean_the_whole_sequence():
     got = flashjax.flash_attention(q, q, q, kv_lengths=lengths)
     want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_64_bit_lengths_and_ids():
+    """NumPy int64 lengths past int32 clamp (the whole sequence) rather than wrap to 0; int64
+    segment ids that int32 cannot hold are refused rather than merged."""
+    q = jax.random.normal(jax.random.key(0), (2, T, H, D), jnp.float32)
+    got = flashjax.flash_attention(q, q, q, kv_lengths=np.array([2**33, 3], np.int64))
+    want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    ids = np.zeros((2, T), np.int64)
+    ids[:, T // 2:] = 2**32  # the same id as 0 once wrapped to int32
+    with pytest.raises(ValueError, match="must fit int32"):
+        flashjax.flash_attention(q, q, q, segment_ids=ids)
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+@pytest.mark.parametrize("seq_q, seq_k", [(9, 5), (5, 9)])
+def test_window_sides_past_every_key_are_unbounded(backend, seq_q, seq_k):
+    """A window side of 2**31 - 1 (a common way to write "unbounded") is the side None, for
+    Tq > Tk and Tq < Tk (it overflowed the int32 positions)."""
+    key = jax.random.key(1)
+    q = jax.random.normal(key, (1, seq_q, 2, 16), jnp.float32)
+    k = v = jax.random.normal(jax.random.fold_in(key, 1), (1, seq_k, 2, 16), jnp.float32)
+    big = 2**31 - 1
+    for window, same in (((None, big), None), ((big, big), None), ((3, big), (3, None)), ((big, 0), (None, 0))):
+        got = flashjax.flash_attention(q, k, v, window=window, backend=backend)
+        want = flashjax.flash_attention(q, k, v, window=same, backend="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=str(window))
 
 
 def test_segment_ids_as_one_array_need_equal_lengths():
