@@ -94,6 +94,12 @@ class Mod:
         return hash(self._key())
 
     @functools.cached_property
+    def uses_batch_and_head(self) -> tuple[bool, bool]:
+        """Whether the result depends on the batch index, on the head index."""
+        start = 1 if self.name == SCORE_MOD else 0
+        return tuple(_used_inputs(self.jaxpr)[start:start + 2])
+
+    @functools.cached_property
     def uses_positions(self) -> tuple[bool, ...]:
         """Whether the result depends on q_idx, on kv_idx (and with `sides`, on the row value,
         on the column value)."""
@@ -577,8 +583,17 @@ def _point_gather(eqn, array: _ConstRef, indices):
     return value
 
 
+# Call-like primitives: their body runs once, on the equation's operands. A loop's body (scan,
+# while) runs many times: loops are evaluated as primitives, never inlined.
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+                   "custom_vjp_call"})
+
+
 def inner_jaxpr(eqn):
-    """(jaxpr, consts) of a call-like equation (jit, custom_jvp/vjp call, remat) taking the equation's operands."""
+    """(jaxpr, consts) of a call-like equation (`CALLS`: jit, custom_jvp/vjp call, remat) taking
+    the equation's operands; None for any other equation."""
+    if eqn.primitive.name not in CALLS:
+        return None
     for param in eqn.params.values():
         if isinstance(param, jex_core.ClosedJaxpr) and len(param.jaxpr.invars) == len(eqn.invars):
             return param.jaxpr, tuple(param.consts)
@@ -801,6 +816,12 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
     bm, hm = mask.blocks.shape[:2]
     if bm not in (1, batch) or hm not in (1, heads):
         raise ValueError(f"block_mask has batch/heads ({bm}, {hm}); this call has ({batch}, {heads}).")
+    uses_batch, uses_head = trace(mask.mask_mod, MASK_MOD)[0].uses_batch_and_head
+    for axis, built, wanted, used in (("batch", bm, batch, uses_batch), ("heads", hm, heads, uses_head)):
+        if built == 1 and wanted > 1 and used:
+            # Row 0's empty and full tiles would stand for every row of an axis the mask varies along.
+            raise ValueError(f"block_mask was built with {axis}=1, but its mask_mod reads the {axis} index; "
+                             f"build it with {axis}={wanted}.")
     if mask_mod is not None and mask_mod is not mask.mask_mod:
         (given, given_consts), (own, own_consts) = trace(mask_mod, MASK_MOD), trace(mask.mask_mod, MASK_MOD)
         # The same program on the same arrays (a rebuilt mod) is the same mask.

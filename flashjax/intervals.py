@@ -279,12 +279,8 @@ def _evaluate(jaxpr, env_values, tables: _RangeTables):
 _IDENTITY = {"squeeze", "reshape", "broadcast_in_dim", "copy"}
 
 
-# Call-like primitives: their body runs once on the operands (loops do not: scan, while).
-_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call"}
-
-
 def _rule(name, eqn, ins, tables):
-    if name in _CALLS:
+    if name in flex.CALLS:
         inner = flex.inner_jaxpr(eqn)
         if inner is None:
             raise Unsupported(f"call {name}")

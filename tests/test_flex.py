@@ -747,6 +747,22 @@ def test_block_mask_bad_arguments():
         flashjax.block_mask(mods.causal(), 1, 0, 16, 16)
 
 
+def test_block_mask_built_for_one_row_of_an_axis_the_mask_reads():
+    """A block mask built with batch=1 (heads=1) for a mask_mod that reads the batch (head)
+    index is refused: row 0's empty and full tiles would stand for every row. One built so
+    for a mask_mod that ignores the axis is taken."""
+    q = jnp.zeros((2, 64, 2, 16), jnp.float32)
+    prefix = jnp.array([0, 40])
+    by_batch = lambda b, h, i, j: (j <= i) | (j < prefix[b])
+    by_head = lambda b, h, i, j: j <= i + 20 * h
+    for mask_mod, shape, axis in ((by_batch, (1, 2), "batch"), (by_head, (2, 1), "heads")):
+        mask = flashjax.block_mask(mask_mod, *shape, 64, 64, block_q=16, block_k=16)
+        with pytest.raises(ValueError, match=f"built with {axis}=1"):
+            flashjax.flash_attention(q, q, q, block_mask=mask)
+    mask = flashjax.block_mask(mods.causal(), 1, 1, 64, 64, block_q=16, block_k=16)
+    assert flashjax.flash_attention(q, q, q, block_mask=mask).shape == q.shape
+
+
 def test_closed_over_array_read_whole_is_refused_in_the_kernels():
     """Inside the kernels a closed-over array is read one element per score; reading it whole raises
     and names the array (the reference, being plain JAX, takes it)."""
@@ -1219,6 +1235,24 @@ def test_mods_on_hopper(case, dtype, rng):
     x = draw(rng, s, dtype, case.q_scale)
     got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")
     assert_matches(got, want, dtype)
+
+
+def test_loops_in_mods(rng):
+    """A fori_loop in a score_mod and in a mask_mod runs every iteration, in the kernels (forward
+    and backward) and in the block mask built from the mask_mod (its body once ran one iteration)."""
+    s = Shape(batch=2, seq_q=40, seq_k=70, heads=4, kv_heads=2, head_dim=16)
+
+    def options(a):
+        score_mod = lambda sc, b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, x: x + 0.4 * (j % 3), sc)
+        mask_mod = lambda b, h, i, j: jax.lax.fori_loop(0, 30, lambda t, c: c + 1, j) <= i + 40
+        return dict(score_mod=score_mod, mask_mod=mask_mod)
+
+    got, want = run_both(draw(rng, s, jnp.float32), options)
+    assert_matches(got, want, jnp.float32)
+    mask_mod = options({})["mask_mod"]
+    bounds = flashjax.block_mask(mask_mod, 1, 1, 40, 70, block_q=16, block_k=16)
+    exact = flashjax.block_mask(mask_mod, 1, 1, 40, 70, block_q=16, block_k=16, exact=True)
+    np.testing.assert_array_equal(np.asarray(bounds.blocks), np.asarray(exact.blocks))
 
 
 @pytest.mark.parametrize("seq_k, lanes", [(40, 10), (97, 1)])
