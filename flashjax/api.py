@@ -67,6 +67,11 @@ def flash_attention(
     outputs 0, with lse ``-inf`` (the sink's logit with ``sinks``) and zero gradients,
     never NaN. (``jax.nn`` and Flax return the mean of the values for such rows.)
 
+    Arrays typed on a mesh of Explicit axes (``jax.make_mesh``'s default) run per shard
+    along q's batch and head axes, as `flashjax.sharded_flash_attention` runs them (a
+    sequence or head_dim split is gathered first); on a mesh of Auto axes XLA gathers the
+    inputs, and `sharded_flash_attention` states the layout instead.
+
     Example::
 
       q = jax.random.normal(key, (2, 1024, 8, 64), jnp.bfloat16)
@@ -161,6 +166,21 @@ def flash_attention(
       NotImplementedError: when a backend named by ``backend`` (or implied by
         ``config``) cannot run the call.
     """
+    from flashjax import sharding  # imports this module
+
+    layout = sharding.explicit_layout(q, k, v)
+    if layout is not None:
+        # Arrays typed on an Explicit mesh: the kernels run per shard (a Pallas call cannot
+        # take explicitly sharded operands).
+        options = dict(
+            causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids, q_lengths=q_lengths,
+            kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
+            mask_mod=mask_mod, block_mask=block_mask, sinks=sinks, dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, float32_residual=float32_residual,
+            return_lse=return_lse, backend=backend, config=config,
+        )
+        checks.check_qkv(q, k, v, v_head_dim=True)
+        return sharding.run_on_explicit_layout(q, k, v, layout, options)
     call, extras, params = _prepare(
         q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids, q_lengths=q_lengths,
         kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,

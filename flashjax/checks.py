@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 __all__ = [
     "check_qkv", "check_scale", "check_window", "check_static_number", "check_dropout",
@@ -388,7 +388,7 @@ def mesh_axes_index(mesh, *axes):
 def check_mesh_axes(mesh, **axes) -> dict[str, int]:
     """Checks keyword mesh-axis arguments (e.g. ``batch_axis="data"``): every name is an
     axis of the mesh and no name is used twice. Returns each argument's total size."""
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     used = []
     sizes = {}

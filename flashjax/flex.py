@@ -30,6 +30,7 @@ kernel's tiles (`tile_flags`) and folds it into the per-tile ranges of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -211,10 +212,17 @@ class Mod:
                 varying.update(eqn.outvars)
         if isinstance(slope, jex_core.Var) and slope in varying:
             return False
-        # Evaluated now, with concrete zeros, even when first asked inside a kernel's trace.
-        with jax.ensure_compile_time_eval():
-            inputs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-            return bool(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*inputs)[1] == 1.0)
+        # Evaluated now, with concrete zeros, even when first asked inside a kernel's trace, and
+        # outside any mesh (under shard_map with a mesh set, arrays made here would be typed on
+        # its manual axes). Where JAX still cannot evaluate it eagerly (constants typed on a
+        # set mesh's Explicit axes), the mod counts as not additive: the kernels then compute
+        # its derivative, the same gradients at a little more work.
+        try:
+            with jax.ensure_compile_time_eval(), _no_mesh():
+                inputs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+                return bool(jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, consts))(*inputs)[1] == 1.0)
+        except (AssertionError, NotImplementedError, TypeError, ValueError):
+            return False
 
     @functools.cached_property
     def _value_and_slope(self):
@@ -231,6 +239,16 @@ class Mod:
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
         closed = jax.make_jaxpr(value_and_slope)(*avals, *_scalar_args(SCORE_MOD))
         return closed.jaxpr, tuple(closed.consts)
+
+
+def _no_mesh():
+    """A context without a mesh, for eager evaluation at trace time (JAX 0.11's internal
+    `use_abstract_mesh`; a no-op where it is missing)."""
+    from jax._src import mesh as mesh_lib
+
+    use = getattr(mesh_lib, "use_abstract_mesh", None)
+    empty = getattr(mesh_lib, "empty_abstract_mesh", None)
+    return use(empty) if use is not None and empty is not None else contextlib.nullcontext()
 
 
 def _scalar_args(name: str):

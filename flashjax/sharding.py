@@ -82,6 +82,34 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         (use `flashjax.ring.ring_attention` for the sequence).
     """
     _check(q, k, v, mesh, batch_axis, head_axis)
+    return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
+
+
+def explicit_layout(q, k, v):
+    """(mesh, batch_axis, head_axis) when q, k or v is typed on a mesh with Explicit axes (what
+    JAX's ``jax.make_mesh`` builds by default), else None: q's batch and head axes, each None
+    where q is not split along it."""
+    meshes = [getattr(_sharding(x), "mesh", None) for x in (q, k, v)]
+    mesh = next((m for m in meshes if m is not None and m.explicit_axes), None)
+    if mesh is None:
+        return None
+    spec = tuple(_input_spec(q) or ()) + (None,) * 4
+    return mesh, spec[0], spec[2]
+
+
+def run_on_explicit_layout(q, k, v, layout, kwargs):
+    """`flash_attention` on arrays typed on an Explicit mesh (`explicit_layout`): per shard of
+    q's batch and head axes (shard_map, as `sharded_flash_attention`), after gathering any
+    sequence or head_dim split (what XLA does for a Pallas call on an Auto mesh); with
+    neither axis split, every device runs the whole call."""
+    mesh, batch_axis, head_axis = layout
+    spec = P(batch_axis, None, head_axis, None)
+    q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
+
+
+def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
     if kwargs.get("block_mask") is not None:
         # It carries its own mask_mod: that one (with offsets) is the one the shards use.
         flex.check_block_mask(kwargs["block_mask"], kwargs.pop("mask_mod", None), q.shape[0], q.shape[2],
@@ -138,15 +166,20 @@ def _with_offsets(mod, is_score_mod: bool, batch_offset, head_offset):
     return lambda b, h, q_idx, kv_idx: mod(b + batch_offset, h + head_offset, q_idx, kv_idx)
 
 
-def _input_spec(x):
-    """The PartitionSpec x is known to have (concrete arrays, explicit-sharding tracers), else None."""
+def _sharding(x):
+    """The NamedSharding x is known to have (concrete arrays: their own; tracers: their type's), else None."""
     sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
     if sharding is None:
         try:
             sharding = jax.typeof(x).sharding
         except (AttributeError, TypeError):
             return None
-    return getattr(sharding, "spec", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _input_spec(x):
+    """The PartitionSpec x is known to have (concrete arrays, explicit-sharding tracers), else None."""
+    return getattr(_sharding(x), "spec", None)
 
 
 def _check(q, k, v, mesh, batch_axis, head_axis):

@@ -139,6 +139,39 @@ def check_sharded_transforms(*, seed):
     check_under_remat_and_vmap(sharded, oracle, q, k, v, w)
 
 
+def check_explicit_layouts(*, seed, set_mesh):
+    """Plain `flash_attention` on arrays placed on a mesh of Explicit axes (JAX's default
+    `jax.make_mesh`), split along the batch, the heads, both, neither or the sequence: output
+    and gradients equal the reference's (with a score_mod, sinks and key lengths), under jit
+    and eagerly, with or without `jax.set_mesh`; the output keeps q's batch and head split."""
+    import contextlib
+
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    assert mesh.explicit_axes == ("data", "model")
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((4, 32, 4, 16), dtype=np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((4, 40, 2, 16), dtype=np.float32)) for _ in range(2))
+    slopes = jnp.asarray([0.5, 0.25, 0.1, 0.2])
+    options = dict(causal=True, score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(jnp.float32),
+                   sinks=jnp.ones(4), kv_lengths=jnp.array([40, 30, 20, 10]))
+    loss = lambda attention: lambda q, k, v: jnp.sum(attention(q, k, v, **options) * q)
+    want = reference.attention(q, k, v, **options)
+    want_grads = jax.grad(loss(reference.attention), argnums=(0, 1, 2))(q, k, v)
+    with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
+        for spec, kept in ((P("data"), P("data")), (P(None, None, "model"), P(None, None, "model")),
+                           (P("data", None, "model"), P("data", None, "model")), (P(), P()),
+                           (P(None, "data"), P())):
+            qs, ks, vs = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+            out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, backend="triton", **options))(qs, ks, vs)
+            check_close(out, want, jnp.float32, f"o {spec}")
+            assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(kept) + (None,) * (3 - len(kept)), (spec, out)
+            check_close(flashjax.flash_attention(qs, ks, vs, backend="triton", **options), want, jnp.float32, "eager o")
+            grads = jax.jit(jax.grad(loss(flashjax.flash_attention), argnums=(0, 1, 2)))(qs, ks, vs)
+            for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+                check_close(g, w, jnp.float32, f"{name} {spec}")
+
+
 def check_errors():
     """Sequence or head_dim sharding, GQA head counts that do not divide: ValueErrors that say what to do."""
     mesh = jax.make_mesh((DEVICES,), ("x",))
@@ -178,6 +211,11 @@ def test_sharded_mods_see_global_indices(block_mask, request):
 
 def test_sharded_under_remat_and_vmap(request):
     run_on_devices(__file__, "check_sharded_transforms", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.mark.parametrize("set_mesh", [False, True], ids=["arrays", "set-mesh"])
+def test_explicit_layouts(set_mesh, request):
+    run_on_devices(__file__, "check_explicit_layouts", seed=zlib.crc32(request.node.nodeid.encode()), set_mesh=set_mesh)
 
 
 def test_sharded_errors():
