@@ -95,6 +95,13 @@ class Mod:
         return hash(self._key())
 
     @functools.cached_property
+    def calls_custom_vjp(self) -> bool:
+        """Whether the program calls a ``jax.custom_vjp`` function (inside nested calls and loops
+        too): its derivative exists in reverse mode only, and the kernels' backward traces
+        d score_mod / d score forward (`_value_and_slope`)."""
+        return any(eqn.primitive.name == "custom_vjp_call" for eqn in _nested_eqns(self.jaxpr))
+
+    @functools.cached_property
     def uses_batch_and_head(self) -> tuple[bool, bool]:
         """Whether the result depends on the batch index, on the head index."""
         start = 1 if self.name == SCORE_MOD else 0
@@ -334,6 +341,27 @@ def _hoist_constants(jaxpr, consts: tuple):
     # A jaxpr's constvars are the inputs with values attached (without, they are invars).
     out = jaxpr.replace(constvars=(*jaxpr.constvars, *needed), eqns=rest, consts=(*jaxpr.consts, *hoisted))
     return out, (*consts, *hoisted)
+
+
+def _nested_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs its equations hold (calls, loop bodies, branches)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(inner, jex_core.ClosedJaxpr):
+                    yield from _nested_eqns(inner.jaxpr)
+                elif isinstance(inner, jex_core.Jaxpr):
+                    yield from _nested_eqns(inner)
+
+
+def kernel_backward_reasons(call) -> list[str]:
+    """Why a kernel backend's backward cannot differentiate `call`'s mods (empty when it can):
+    both kernel families trace d score_mod / d score forward into their kernels."""
+    if call.score_mod is not None and call.score_mod.calls_custom_vjp:
+        return ["score_mod calls a jax.custom_vjp function, whose derivative the kernels cannot trace "
+                "forward (jvp) into the backward"]
+    return []
 
 
 def _used_inputs(jaxpr) -> list[bool]:

@@ -1237,6 +1237,26 @@ def test_mods_on_hopper(case, dtype, rng):
     assert_matches(got, want, dtype)
 
 
+def test_custom_vjp_in_a_score_mod(rng):
+    """A score_mod calling a jax.custom_vjp function (a straight-through estimator) runs forward on
+    the kernels; its backward, which needs the derivative in forward mode, runs on the reference,
+    with the function's own rule: `explain` says so, and the gradients are the reference's."""
+
+    @jax.custom_vjp
+    def straight_through(x):
+        return jnp.round(x)
+
+    straight_through.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+    s = Shape(batch=2, seq_q=24, seq_k=33, heads=4, kv_heads=2, head_dim=16)
+    options = lambda a: dict(score_mod=lambda sc, b, h, i, j: sc + 0.3 * straight_through(sc), causal=True)
+    x = draw(rng, s, jnp.float32)
+    choice = flashjax.explain(x["q"], x["k"], x["v"], **options({}))
+    assert choice.backend != "xla" and choice.backward_backend == "xla", choice
+    assert "custom_vjp" in str(choice)
+    got, want = run_both(x, options)
+    assert_matches(got, want, jnp.float32)
+
+
 def test_loops_in_mods(rng):
     """A fori_loop in a score_mod and in a mask_mod runs every iteration, in the kernels (forward
     and backward) and in the block mask built from the mask_mod (its body once ran one iteration)."""

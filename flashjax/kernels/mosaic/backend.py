@@ -506,6 +506,7 @@ BACKEND = backends.Backend(
     description="Pallas Mosaic GPU kernels for Hopper (wgmma, TMA, warp specialisation)",
     config_type=MosaicConfig,
     supports=supports,
+    supports_backward=flex.kernel_backward_reasons,
     default_config=default_config,
     forward=forward,
     backward=backward,

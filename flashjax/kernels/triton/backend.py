@@ -272,6 +272,7 @@ BACKEND = backends.Backend(
     description="Pallas Triton kernels: any CUDA GPU, interpret mode without one",
     config_type=TritonConfig,
     supports=supports,
+    supports_backward=flex.kernel_backward_reasons,
     declines=declines,
     default_config=default_config,
     forward=forward,
