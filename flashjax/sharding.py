@@ -103,9 +103,11 @@ def run_on_explicit_layout(q, k, v, layout, kwargs):
     sequence or head_dim split (what XLA does for a Pallas call on an Auto mesh); with
     neither axis split, every device runs the whole call."""
     mesh, batch_axis, head_axis = layout
+    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    if k.shape[2] % sizes["head_axis"]:
+        head_axis = None  # too few kv heads to split (MQA): the heads are gathered
     spec = P(batch_axis, None, head_axis, None)
     q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
-    checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
     return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
 
 
