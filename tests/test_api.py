@@ -152,7 +152,7 @@ def test_numpy_64_bit_lengths_and_ids():
 @pytest.mark.parametrize("seq_q, seq_k", [(9, 5), (5, 9)])
 def test_window_sides_past_every_key_are_unbounded(backend, seq_q, seq_k):
     """A window side of 2**31 - 1 (a common way to write "unbounded") is the side None, for
-    Tq > Tk and Tq < Tk (it overflowed the int32 positions)."""
+    Tq > Tk and Tq < Tk (it must never enter the int32 position arithmetic)."""
     key = jax.random.key(1)
     q = jax.random.normal(key, (1, seq_q, 2, 16), jnp.float32)
     k = v = jax.random.normal(jax.random.fold_in(key, 1), (1, seq_k, 2, 16), jnp.float32)

@@ -1259,7 +1259,7 @@ def test_custom_vjp_in_a_score_mod(rng):
 
 def test_loops_in_mods(rng):
     """A fori_loop in a score_mod and in a mask_mod runs every iteration, in the kernels (forward
-    and backward) and in the block mask built from the mask_mod (its body once ran one iteration)."""
+    and backward) and in the block mask built from the mask_mod."""
     s = Shape(batch=2, seq_q=40, seq_k=70, heads=4, kv_heads=2, head_dim=16)
 
     def options(a):

@@ -546,7 +546,7 @@ USER_MODS = {
     "erf": dict(score_mod=lambda s, b, h, i, j: s + jax.lax.erf((i - j).astype(jnp.float32) / 50.0)),
     "float-rem": dict(score_mod=lambda s, b, h, i, j: jnp.fmod(s, 8.0)),
     "atan2": dict(score_mod=lambda s, b, h, i, j: s + jnp.arctan2(i - j, 8.0)),
-    # Loops: evaluated as loops (their body was once inlined, running one iteration).
+    # Loops: their body runs every iteration inside the kernels.
     "fori-loop-score": dict(score_mod=lambda s, b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, x: x + 0.5 * (j % 2), s)),
     "fori-loop-mask": dict(mask_mod=lambda b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, c: c + 1, j) <= i + 1),
 }

@@ -115,9 +115,9 @@ def _score_mod_by_key_lane(mod, consts, floats, score, rows, lanes: int):
     The same values as `flex.elementwise` with the arrays closed over; what differs is the
     pullback. A read of a small table at every score (a T5 bucket, a slope per head)
     transposes to a scatter-add of every score's cotangent into the table's few entries,
-    and on a GPU those additions serialise on them (the whole gradient took 18x the
-    kernels' backward at 4k). With a copy per lane of keys, neighbouring scores add into
-    different copies, and the copies are summed once (the broadcast's transpose).
+    and on a GPU those additions serialise on them. With a copy per lane of keys,
+    neighbouring scores add into different copies, and the copies are summed once (the
+    broadcast's transpose).
     """
     batch, heads, n_rows, seq_k = score.shape
     copies = tuple(jnp.broadcast_to(f, (lanes, *f.shape)) for f in floats)
