@@ -862,14 +862,14 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
     bm, hm = mask.blocks.shape[:2]
     if bm not in (1, batch) or hm not in (1, heads):
         raise ValueError(f"block_mask has batch/heads ({bm}, {hm}); this call has ({batch}, {heads}).")
-    uses_batch, uses_head = trace(mask.mask_mod, MASK_MOD)[0].uses_batch_and_head
-    for axis, built, wanted, used in (("batch", bm, batch, uses_batch), ("heads", hm, heads, uses_head)):
+    own, own_consts = trace(mask.mask_mod, MASK_MOD)
+    for axis, built, wanted, used in zip(("batch", "heads"), (bm, hm), (batch, heads), own.uses_batch_and_head):
         if built == 1 and wanted > 1 and used:
             # Row 0's empty and full tiles would stand for every row of an axis the mask varies along.
             raise ValueError(f"block_mask was built with {axis}=1, but its mask_mod reads the {axis} index; "
                              f"build it with {axis}={wanted}.")
     if mask_mod is not None and mask_mod is not mask.mask_mod:
-        (given, given_consts), (own, own_consts) = trace(mask_mod, MASK_MOD), trace(mask.mask_mod, MASK_MOD)
+        given, given_consts = trace(mask_mod, MASK_MOD)
         # The same program on the same arrays (a rebuilt mod) is the same mask.
         if given != own or any(a is not b for a, b in zip(given_consts, own_consts)):
             raise ValueError(
