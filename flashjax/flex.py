@@ -175,14 +175,18 @@ class Mod:
         return tuple(f"{np.dtype(x.aval.dtype).name}{list(x.aval.shape)}" for x, sides in self._read_sides.items()
                      if any(sides))
 
-    def _computations(self):
-        """The equations the program computes with (inside nested calls too), with the derivative
-        program's for a score_mod (what the backward kernels run). Reads of a closed-over array
-        (`dynamic_slice`, `gather`: loads through its ref in a kernel) are left out."""
-        programs = [(self.jaxpr, set(self.jaxpr.constvars))]
-        if self.name == SCORE_MOD:
+    def _computations(self, derivative: bool):
+        """The equations a program computes with (inside nested calls too): the mod's own (what
+        the forward kernels run) or, with `derivative`, a score_mod's value-and-derivative
+        program (what the backward kernels run; nothing for a mask_mod). Reads of a closed-over
+        array (`dynamic_slice`, `gather`: loads through its ref in a kernel) are left out."""
+        if not derivative:
+            programs = [(self.jaxpr, set(self.jaxpr.constvars))]
+        elif self.name == SCORE_MOD:
             jaxpr = self._value_and_slope[0]
-            programs.append((jaxpr, set(jaxpr.invars[:len(self.const_avals)])))
+            programs = [(jaxpr, set(jaxpr.invars[:len(self.const_avals)]))]
+        else:
+            programs = []
         while programs:
             jaxpr, consts = programs.pop()
             is_const = lambda x: isinstance(x, jex_core.Var) and x in consts
@@ -193,16 +197,20 @@ class Mod:
                 elif not (eqn.primitive.name in ("dynamic_slice", "gather") and is_const(eqn.invars[0])):
                     yield eqn
 
-    @functools.cached_property
-    def primitives(self) -> frozenset:
-        """The names of the primitives the program computes with (`_computations`)."""
-        return frozenset(name for name, _ in self.typed_primitives)
+    def primitives(self, derivative: bool = False) -> frozenset:
+        """The names of the primitives the forward (or, with `derivative`, the backward) kernels
+        evaluate for this mod (`_computations`)."""
+        return frozenset(name for name, _ in self.typed_primitives(derivative))
+
+    def typed_primitives(self, derivative: bool = False) -> frozenset:
+        """(name, dtype name of the first operand) of each primitive of `primitives`."""
+        return self._typed_primitives[derivative]
 
     @functools.cached_property
-    def typed_primitives(self) -> frozenset:
-        """(name, dtype name of the first operand) of each primitive the program computes with."""
-        return frozenset((eqn.primitive.name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
-                         for eqn in self._computations())
+    def _typed_primitives(self) -> dict:
+        return {derivative: frozenset((eqn.primitive.name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
+                                      for eqn in self._computations(derivative))
+                for derivative in (False, True)}
 
     @functools.cached_property
     def additive(self) -> bool:

@@ -856,6 +856,24 @@ def test_auto_falls_back_to_xla_for_what_no_kernel_lowers(monkeypatch):
     assert any("score_mod uses erf, which Pallas' Triton lowering does not have" in r for r in why["triton"]), why
 
 
+def test_a_derivative_no_kernel_lowers_runs_the_backward_on_the_reference(monkeypatch):
+    """The kernels' lowerings are checked against each program they run: a score_mod whose
+    forward lowers and whose derivative does not (sin(s), whose derivative is cos(s), with cos
+    taken from both lowerings) runs forward on the Hopper kernels and backward on the
+    reference, and explain names the derivative."""
+    from flashjax.kernels.mosaic import backend as mosaic_backend
+    from flashjax.kernels.triton import backend as triton_backend
+
+    for module in (mosaic_backend, triton_backend):
+        lowered = module._lowered_primitives()
+        monkeypatch.setattr(module, "_lowered_primitives", lambda lowered=lowered: lowered - {"cos"})
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    choice = flashjax.explain(q, q, q, score_mod=lambda s, b, h, i, j: s + jnp.sin(s))
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "xla"), choice
+    assert "score_mod's derivative uses cos" in str(choice), choice
+
+
 HOPPER_MODS = [
     pytest.param(dict(score_mod=mods.tanh_softcap(30.0)), id="score_mod"),
     pytest.param(dict(score_mod=mods.alibi(jnp.ones((2,)))), id="per-head-read"),
@@ -1076,7 +1094,8 @@ def test_arrays_built_inside_the_mods(rng):
     for name, fn in options(arrays).items():
         mod, consts = flex.trace(fn, name)
         assert len(mod.jaxpr.constvars) == len(consts) == (3 if name == "score_mod" else 1)
-        assert "dynamic_slice" not in mod.primitives and "gather" not in mod.primitives, mod.primitives
+        used = mod.primitives() | mod.primitives(derivative=True)
+        assert not {"dynamic_slice", "gather"} & used, used
     got, want = run_both(x, options, arrays)
     assert_matches(got, want, jnp.float32)
 
@@ -1244,9 +1263,9 @@ def test_custom_vjp_in_a_score_mod(rng):
 
     @jax.custom_vjp
     def straight_through(x):
-        return jnp.round(x)
+        return jnp.floor(x + 0.5)
 
-    straight_through.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+    straight_through.defvjp(lambda x: (straight_through(x), None), lambda _, g: (g,))
     s = Shape(batch=2, seq_q=24, seq_k=33, heads=4, kv_heads=2, head_dim=16)
     options = lambda a: dict(score_mod=lambda sc, b, h, i, j: sc + 0.3 * straight_through(sc), causal=True)
     x = draw(rng, s, jnp.float32)

@@ -79,10 +79,11 @@ def _lowered_primitives() -> frozenset:
 _UNLOWERED_ON_TILES = {"erf": None, "atan2": None, "rem": ("bfloat16", "float16", "float32")}
 
 
-def _unlowered(mod: flex.Mod) -> list[str]:
-    """The primitives of `mod` Mosaic GPU does not lower on a score tile."""
-    missing = set(mod.primitives - _lowered_primitives())
-    for name, dtype in mod.typed_primitives:
+def _unlowered(mod: flex.Mod, derivative: bool) -> list[str]:
+    """The primitives of `mod` (of its derivative program, with `derivative`) Mosaic GPU does
+    not lower on a score tile."""
+    missing = set(mod.primitives(derivative) - _lowered_primitives())
+    for name, dtype in mod.typed_primitives(derivative):
         if name in _UNLOWERED_ON_TILES:
             dtypes = _UNLOWERED_ON_TILES[name]
             if dtypes is None or dtype in dtypes:
@@ -90,13 +91,12 @@ def _unlowered(mod: flex.Mod) -> list[str]:
     return sorted(missing)
 
 
-def _mod_reasons(call: Call) -> list[str]:
-    """Why the kernels cannot evaluate the call's score_mod / mask_mod on a wgmma score tile:
-    a closed-over array read at a position-dependent index (a gather per row, column or
-    score, which Mosaic GPU has no instruction for; reads at the batch row and head are one
-    scalar load per tile) that `sides.split` cannot move out of the kernel, or a primitive
-    Mosaic GPU does not lower."""
-    reasons = []
+def _kernel_mods(call: Call) -> list[tuple[str, flex.Mod | str]]:
+    """(name, the mod the kernels evaluate on a wgmma score tile, or why they cannot) for each
+    of the call's mods: a closed-over array read at a position-dependent index (a gather per
+    row, column or score, which Mosaic GPU has no instruction for; reads at the batch row and
+    head are one scalar load per tile) must be moved out of the kernel by `sides.split`."""
+    mods = []
     for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
         if mod is None:
             continue
@@ -106,13 +106,33 @@ def _mod_reasons(call: Call) -> list[str]:
             if why is None and "segment_ids" in call.arrays:
                 why = "segment_ids take the kernels' one vector per row and column"
             if why is not None:
-                reasons.append(f"{name} reads the closed-over {' and '.join(mod.position_reads)} at an index that "
-                               f"depends on q_idx, kv_idx or the score, and {why} (the Triton kernels gather)")
-                continue
-            mod = split
-        missing = _unlowered(mod)
-        if missing:
+                mod = (f"{name} reads the closed-over {' and '.join(mod.position_reads)} at an index that "
+                       f"depends on q_idx, kv_idx or the score, and {why} (the Triton kernels gather)")
+            else:
+                mod = split
+        mods.append((name, mod))
+    return mods
+
+
+def _mod_reasons(call: Call) -> list[str]:
+    """Why the kernels cannot evaluate the call's score_mod / mask_mod on a score tile
+    (`_kernel_mods`), or use a primitive Mosaic GPU does not lower."""
+    reasons = []
+    for name, mod in _kernel_mods(call):
+        if isinstance(mod, str):
+            reasons.append(mod)
+        elif missing := _unlowered(mod, derivative=False):
             reasons.append(f"{name} uses {', '.join(missing)}, which Mosaic GPU does not lower")
+    return reasons
+
+
+def supports_backward(call: Call) -> list[str]:
+    """Why the backward kernels cannot take `call` where the forward ones can: a score_mod
+    whose derivative they cannot trace or lower."""
+    reasons = flex.kernel_backward_reasons(call)
+    for name, mod in _kernel_mods(call) if not reasons else ():
+        if not isinstance(mod, str) and (missing := _unlowered(mod, derivative=True)):
+            reasons.append(f"{name}'s derivative uses {', '.join(missing)}, which Mosaic GPU does not lower")
     return reasons
 
 
@@ -506,7 +526,7 @@ BACKEND = backends.Backend(
     description="Pallas Mosaic GPU kernels for Hopper (wgmma, TMA, warp specialisation)",
     config_type=MosaicConfig,
     supports=supports,
-    supports_backward=flex.kernel_backward_reasons,
+    supports_backward=supports_backward,
     default_config=default_config,
     forward=forward,
     backward=backward,

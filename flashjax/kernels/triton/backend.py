@@ -35,11 +35,26 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
     if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"head_dim {max(call.head_dim, call.v_head_dim or 0)} > {MAX_HEAD_DIM}")
-    if call.platform == "gpu":  # interpret mode evaluates any primitive
-        for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
-            missing = sorted(mod.primitives - _lowered_primitives()) if mod is not None else ()
-            if missing:
-                reasons.append(f"{name} uses {', '.join(missing)}, which Pallas' Triton lowering does not have")
+    return reasons + _unlowered_mods(call, derivative=False)
+
+
+def supports_backward(call: Call) -> list[str]:
+    """Why the backward kernels cannot take `call` where the forward ones can: a score_mod
+    whose derivative they cannot trace or lower."""
+    return flex.kernel_backward_reasons(call) or _unlowered_mods(call, derivative=True)
+
+
+def _unlowered_mods(call: Call, derivative: bool) -> list[str]:
+    """The mods' primitives Pallas' Triton lowering lacks, in the forward kernels' programs or
+    (`derivative`) the backward kernels'; none in interpret mode, which evaluates any primitive."""
+    if call.platform != "gpu":
+        return []
+    reasons = []
+    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+        missing = sorted(mod.primitives(derivative) - _lowered_primitives()) if mod is not None else ()
+        if missing:
+            where = f"{name}'s derivative" if derivative else name
+            reasons.append(f"{where} uses {', '.join(missing)}, which Pallas' Triton lowering does not have")
     return reasons
 
 
@@ -272,7 +287,7 @@ BACKEND = backends.Backend(
     description="Pallas Triton kernels: any CUDA GPU, interpret mode without one",
     config_type=TritonConfig,
     supports=supports,
-    supports_backward=flex.kernel_backward_reasons,
+    supports_backward=supports_backward,
     declines=declines,
     default_config=default_config,
     forward=forward,
