@@ -175,27 +175,40 @@ class Mod:
         return tuple(f"{np.dtype(x.aval.dtype).name}{list(x.aval.shape)}" for x, sides in self._read_sides.items()
                      if any(sides))
 
-    def _computations(self, derivative: bool):
-        """The equations a program computes with (inside nested calls too): the mod's own (what
-        the forward kernels run) or, with `derivative`, a score_mod's value-and-derivative
-        program (what the backward kernels run; nothing for a mask_mod). Reads of a closed-over
-        array (`dynamic_slice`, `gather`: loads through its ref in a kernel) are left out."""
+    def _programs(self, derivative: bool) -> list:
+        """[(jaxpr, its closed-over array variables)]: the mod's own program (what the forward
+        kernels run) or, with `derivative`, a score_mod's value-and-derivative program (what
+        the backward kernels run; none for a mask_mod)."""
         if not derivative:
-            programs = [(self.jaxpr, set(self.jaxpr.constvars))]
-        elif self.name == SCORE_MOD:
+            return [(self.jaxpr, self.jaxpr.constvars)]
+        if self.name == SCORE_MOD:
             jaxpr = self._value_and_slope[0]
-            programs = [(jaxpr, set(jaxpr.invars[:len(self.const_avals)]))]
-        else:
-            programs = []
-        while programs:
-            jaxpr, consts = programs.pop()
-            is_const = lambda x: isinstance(x, jex_core.Var) and x in consts
-            for eqn in jaxpr.eqns:
-                inner = inner_jaxpr(eqn)
-                if inner is not None:
-                    programs.append((inner[0], {x for x, y in zip(inner[0].invars, eqn.invars) if is_const(y)}))
-                elif not (eqn.primitive.name in ("dynamic_slice", "gather") and is_const(eqn.invars[0])):
+            return [(jaxpr, jaxpr.invars[:len(self.const_avals)])]
+        return []
+
+    def _computations(self, derivative: bool):
+        """The equations a program (`_programs`) computes with, inside nested calls too. Reads
+        of a closed-over array (`dynamic_slice`, `gather`: loads through its ref in a kernel)
+        are left out."""
+        for jaxpr, consts in self._programs(derivative):
+            for eqn, refs in _equations_with_refs(jaxpr, consts):
+                if not (eqn.primitive.name in ("dynamic_slice", "gather") and refs[0]):
                     yield eqn
+
+    @functools.cached_property
+    def unreadable_arrays(self) -> tuple[str, ...]:
+        """How the program (or its derivative program) uses a closed-over array other than the
+        kernels can (`_ref_read`: one element per score, every axis indexed at once, or a
+        scalar), as "dtype[shape] in `primitive`"; the kernels cannot run such a mod."""
+        uses = []
+        for derivative in (False, True):
+            for jaxpr, consts in self._programs(derivative):
+                for eqn, refs in _equations_with_refs(jaxpr, consts):
+                    if any(refs) and _ref_read(eqn, refs) is None:
+                        arrays = ", ".join(f"{np.dtype(x.aval.dtype).name}{list(x.aval.shape)}"
+                                           for x, ref in zip(eqn.invars, refs) if ref)
+                        uses.append(f"{arrays} in `{eqn.primitive.name}`")
+        return tuple(dict.fromkeys(uses))
 
     def primitives(self, derivative: bool = False) -> frozenset:
         """The names of the primitives the forward (or, with `derivative`, the backward) kernels
@@ -370,6 +383,15 @@ def kernel_backward_reasons(call) -> list[str]:
         return ["score_mod calls a jax.custom_vjp function, whose derivative the kernels cannot trace "
                 "forward (jvp) into the backward"]
     return []
+
+
+def unreadable_reason(name: str, mod: Mod | None) -> str | None:
+    """Why the kernels cannot evaluate `mod` (named `name` for the message): it uses a
+    closed-over array other than by reading one element (`Mod.unreadable_arrays`)."""
+    if mod is None or not mod.unreadable_arrays:
+        return None
+    return (f"{name} uses the closed-over {'; '.join(mod.unreadable_arrays)}, and the kernels read such an "
+            "array one element per score, every axis indexed at once (e.g. table[h, bucket], not table[h][bucket])")
 
 
 def _used_inputs(jaxpr) -> list[bool]:
@@ -583,41 +605,75 @@ def _bind(eqn, ins) -> list:
     return outs if eqn.primitive.multiple_results else [outs]
 
 
-def _with_refs(eqn, ins) -> list:
-    """One equation that takes a closed-over array, inside a kernel."""
+def _equations_with_refs(jaxpr, consts):
+    """(equation, which of its operands are closed-over arrays) for each equation of `jaxpr`
+    (`consts`: its variables bound to closed-over arrays) and, in place of a nested call
+    (`inner_jaxpr`), of the call's body, as the kernels evaluate them."""
+    consts = set(consts)
+    for eqn in jaxpr.eqns:
+        refs = [isinstance(x, jex_core.Var) and x in consts for x in eqn.invars]
+        inner = inner_jaxpr(eqn)
+        if inner is not None:
+            yield from _equations_with_refs(inner[0], [x for x, ref in zip(inner[0].invars, refs) if ref])
+        else:
+            yield eqn, refs
+
+
+def _ref_read(eqn, refs) -> str | None:
+    """How the kernels evaluate an equation whose operands flagged in `refs` are closed-over
+    arrays (kernel refs, never loaded whole): "element", a `dynamic_slice` of one element;
+    "gather", a `gather` of single elements (every axis indexed); "call", a nested call,
+    evaluated inline; "scalars", every such operand a scalar, loaded where used. None: they
+    cannot (a slice, a whole-array operation)."""
     name = eqn.primitive.name
-    array = ins[0]
-    if name == "dynamic_slice" and isinstance(array, _ConstRef) and not any(isinstance(x, _ConstRef) for x in ins[1:]):
-        if all(size == 1 for size in eqn.params["slice_sizes"]):
-            # dynamic_slice clamps its start into the array: for one element, to [0, dim - 1].
-            index = [lax.clamp(0, jnp.asarray(i, jnp.int32), d - 1) for i, d in zip(ins[1:], array.shape)]
-            return [array.load(index).reshape((1,) * len(array.shape))]
-    if name == "gather" and isinstance(array, _ConstRef) and not isinstance(ins[1], _ConstRef):
-        out = _point_gather(eqn, array, ins[1])
-        if out is not None:
-            return [out]
-    inner = inner_jaxpr(eqn)
-    if inner is not None:
-        jaxpr, consts = inner
+    if name == "dynamic_slice" and refs[0] and not any(refs[1:]) and all(n == 1 for n in eqn.params["slice_sizes"]):
+        return "element"
+    if name == "gather" and refs[0] and not refs[1] and _is_point_gather(eqn):
+        return "gather"
+    if inner_jaxpr(eqn) is not None:
+        return "call"
+    if all(x.aval.shape == () for x, ref in zip(eqn.invars, refs) if ref):
+        return "scalars"
+    return None
+
+
+def _with_refs(eqn, ins) -> list:
+    """One equation that takes a closed-over array, inside a kernel (`_ref_read`)."""
+    read = _ref_read(eqn, [isinstance(x, _ConstRef) for x in ins])
+    if read == "element":
+        # dynamic_slice clamps its start into the array: for one element, to [0, dim - 1].
+        array = ins[0]
+        index = [lax.clamp(0, jnp.asarray(i, jnp.int32), d - 1) for i, d in zip(ins[1:], array.shape)]
+        return [array.load(index).reshape((1,) * len(array.shape))]
+    if read == "gather":
+        return [_point_gather(eqn, ins[0], ins[1])]
+    if read == "call":
+        jaxpr, consts = inner_jaxpr(eqn)
         return _evaluate(jaxpr, consts, ins)
-    if all(x.shape == () for x in ins if isinstance(x, _ConstRef)):
+    if read == "scalars":
         return _bind(eqn, [x.load() if isinstance(x, _ConstRef) else x for x in ins])
     arrays = ", ".join(f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in ins if isinstance(x, _ConstRef))
-    raise ValueError(
-        f"a score_mod/mask_mod uses the closed-over array {arrays} in `{name}`. Inside the kernels a "
-        "closed-over array can only be read one element per score, every axis indexed at once "
-        "(e.g. table[h, bucket], not table[h][bucket] or table * 2); compute derived arrays "
-        "before the call and close over them."
-    )
+    raise ValueError(f"a score_mod/mask_mod uses the closed-over array {arrays} in `{eqn.primitive.name}`. "
+                     f"{UNREADABLE_HINT}")
+
+
+# Why the kernels refuse a mod that uses a closed-over array whole, and what to do instead.
+UNREADABLE_HINT = ("Inside the kernels a closed-over array can only be read one element per score, every axis "
+                   "indexed at once (e.g. table[h, bucket], not table[h][bucket] or table * 2); compute derived "
+                   "arrays before the call and close over them.")
+
+
+def _is_point_gather(eqn) -> bool:
+    """Whether a gather reads single elements: every axis indexed, slices of size 1."""
+    dnums = eqn.params["dimension_numbers"]
+    return not (dnums.offset_dims or dnums.operand_batching_dims
+                or any(size != 1 for size in eqn.params["slice_sizes"])
+                or sorted(dnums.start_index_map) != list(range(len(eqn.invars[0].aval.shape))))
 
 
 def _point_gather(eqn, array: _ConstRef, indices):
-    """A gather of single elements (every axis indexed, slices of size 1) as a clamped load."""
+    """A gather of single elements (`_is_point_gather`) as a clamped load."""
     dnums = eqn.params["dimension_numbers"]
-    if (dnums.offset_dims or dnums.operand_batching_dims
-            or any(size != 1 for size in eqn.params["slice_sizes"])
-            or sorted(dnums.start_index_map) != list(range(len(array.shape)))):
-        return None
     # The index columns by lax.split, not slicing: Triton lowers a split of the last axis
     # (and jnp builds a 2-D index as a join of two columns), not lax.slice.
     n = len(dnums.start_index_map)
@@ -764,7 +820,7 @@ def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, 
         codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
         if codes is not None:
             return codes
-    if KERNEL_BUILDER and jax.default_backend() == "gpu":
+    if KERNEL_BUILDER and jax.default_backend() == "gpu" and not mod.unreadable_arrays:
         from flashjax.kernels.triton import block_mask as triton_block_mask  # the kernels import this module
 
         return triton_block_mask.classify(mod, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)

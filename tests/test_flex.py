@@ -11,6 +11,7 @@ masks skip tiles, fill others and leave boundary tiles to the elementwise mask.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, NamedTuple
 
 import jax
@@ -763,16 +764,37 @@ def test_block_mask_built_for_one_row_of_an_axis_the_mask_reads():
     assert flashjax.flash_attention(q, q, q, block_mask=mask).shape == q.shape
 
 
-def test_closed_over_array_read_whole_is_refused_in_the_kernels():
-    """Inside the kernels a closed-over array is read one element per score; reading it whole raises
-    and names the array (the reference, being plain JAX, takes it)."""
-    q = _q()
-    table = jnp.ones((2, 5), jnp.float32)
-    score_mod = lambda s, b, h, i, j: s + jnp.sum(table)
-    with pytest.raises(ValueError, match=r"float32\[2, 5\].*table\[h, bucket\]"):
-        flashjax.flash_attention(q, q, q, score_mod=score_mod, backend="triton")
-    out = flashjax.flash_attention(q, q, q, score_mod=score_mod, backend="xla")
-    assert out.shape == q.shape
+WHOLE_ARRAY_MODS = [
+    pytest.param(dict(score_mod=lambda t: lambda s, b, h, i, j: s + jnp.sum(t)), r"float32\[2, 5\] in `reduce_sum`",
+                 id="sum"),
+    pytest.param(dict(score_mod=lambda t: lambda s, b, h, i, j: s + t[h % 2][j % 5]),
+                 r"float32\[2, 5\] in `dynamic_slice`", id="row-then-element"),
+    pytest.param(dict(mask_mod=lambda t: lambda b, h, i, j: jnp.max(t[h % 2]) + j > i), r"float32\[2, 5\]",
+                 id="mask_mod-row"),
+]
+
+
+@pytest.mark.parametrize("make, used", WHOLE_ARRAY_MODS)
+def test_closed_over_array_used_whole_runs_on_the_reference(monkeypatch, rng, make, used):
+    """Inside the kernels a closed-over array is read one element per score (every axis indexed
+    at once). A mod that uses one whole (a sum, a row then an element of it) is declined by
+    both kernel families with a reason naming the array and the operation: auto runs the
+    reference (forward and gradients equal to it), an explicit kernel backend raises."""
+    table = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+    options = {name: fn(table) for name, fn in make.items()}
+    s = Shape(batch=1, seq_q=20, seq_k=28, heads=2, kv_heads=2, head_dim=16)
+    x = draw(rng, s, jnp.float32)
+    choice = flashjax.explain(x["q"], x["k"], x["v"], **options)
+    assert choice.backend == "xla", choice
+    assert re.search(used, str(dict(choice.passed)["triton"])), choice
+    with pytest.raises(NotImplementedError, match=used):
+        flashjax.flash_attention(x["q"], x["k"], x["v"], backend="triton", **options)
+    got, want = run_both(x, lambda a: options, backend="auto", config=None)
+    assert_matches(got, want, jnp.float32)
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+    why = dict(flashjax.explain(q, q, q, **options).passed)
+    assert re.search(used, str(why["mosaic"])) and re.search(used, str(why["triton"])), why
 
 
 def test_tile_reads_each_closed_over_value_at_its_own_shape():

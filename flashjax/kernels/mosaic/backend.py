@@ -100,7 +100,9 @@ def _kernel_mods(call: Call) -> list[tuple[str, flex.Mod | str]]:
     for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
         if mod is None:
             continue
-        if mod.position_reads:
+        if why := flex.unreadable_reason(name, mod):
+            mod = why
+        elif mod.position_reads:
             split = sides.split(mod)
             why = split if isinstance(split, str) else None
             if why is None and "segment_ids" in call.arrays:

@@ -35,6 +35,9 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
     if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"head_dim {max(call.head_dim, call.v_head_dim or 0)} > {MAX_HEAD_DIM}")
+    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+        if why := flex.unreadable_reason(name, mod):
+            reasons.append(why)
     return reasons + _unlowered_mods(call, derivative=False)
 
 
