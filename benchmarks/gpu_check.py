@@ -33,7 +33,8 @@ GROUPS = {
     "properties": ["tests/test_properties.py"],
     # The ring and batch/head sharding over every visible GPU (each test uses all of them:
     # run the group with -n 1).
-    "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus"],
+    "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus",
+                 "tests/test_sharding.py::test_explicit_layouts_on_gpus"],
 }
 
 

@@ -25,6 +25,7 @@ Sequence sharding is a different algorithm (keys live on other devices): use
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -118,7 +119,6 @@ def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
                               q.shape[1], k.shape[1])
     mods = {name: kwargs.pop(name) for name in ("score_mod", "mask_mod") if kwargs.get(name) is not None}
     spec = P(batch_axis, None, head_axis, None)
-    lse_spec = P(batch_axis, head_axis, None)
     names, arrays, specs = [], [], []
     static = {}
     for name, value in kwargs.items():
@@ -130,6 +130,23 @@ def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
             names.append(name)
             arrays.append(value)
             specs.append(array_spec)
+    in_specs = (spec, spec, spec, *specs)
+    args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays), in_specs)]
+    key = (mesh, batch_axis, head_axis, tuple(names), in_specs, tuple(static.items()), tuple(mods.items()))
+    try:
+        run = _shard_mapped(*key)
+    except TypeError:  # an unhashable option: built for this call alone
+        run = _shard_mapped.__wrapped__(*key)
+    return run(*args)
+
+
+@functools.lru_cache(maxsize=32)
+def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, static: tuple, mods: tuple):
+    """`flash_attention` per shard of q's batch and head axes, under jit: jit traces the body
+    even when the call is eager, where an eager shard_map would run the backends' host-side
+    code op by op on its per-device values (which JAX 0.11 cannot always place on a manual
+    mesh). Cached on the options, so that eager calls in a loop compile once."""
+    static, mods = dict(static), dict(mods)
     return_lse = bool(static.get("return_lse", False))
     fold_dropout = static.get("dropout_rate", 0.0) > 0.0 and not static.get("broadcast_dropout", False)
 
@@ -151,14 +168,13 @@ def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
             options["dropout_rng"] = jax.random.fold_in(options["dropout_rng"], checks.mesh_axes_index(mesh, batch_axis, head_axis))
         return flash_attention(q, k, v, **options)
 
+    spec, lse_spec = P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None)
     out_specs = (spec, lse_spec) if return_lse else spec
-    in_specs = (spec, spec, spec, *specs)
-    args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays), in_specs)]
     # check_vma=False: the Pallas call has no varying-manual-axes rule. Inputs with a
     # replicated spec (a bias broadcast over the batch) then get their cotangents
     # summed over the devices by shard_map's transpose, which is what their
     # broadcast means.
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
 
 def _with_offsets(mod, is_score_mod: bool, batch_offset, head_offset):

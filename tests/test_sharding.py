@@ -139,42 +139,46 @@ def check_sharded_transforms(*, seed):
     check_under_remat_and_vmap(sharded, oracle, q, k, v, w)
 
 
-def check_explicit_layouts(*, seed, set_mesh):
+def check_explicit_layouts(*, seed, set_mesh, mesh_shape=(2, 2), dtype="float32", backend="triton", seq_q=32,
+                           seq_k=40, head_dim=16):
     """Plain `flash_attention` on arrays placed on a mesh of Explicit axes (JAX's default
     `jax.make_mesh`), split along the batch, the heads, both, neither or the sequence: output
     and gradients equal the reference's (with a score_mod, sinks and key lengths), under jit
-    and eagerly, with or without `jax.set_mesh`; the output keeps q's batch and head split."""
+    and eagerly, with or without `jax.set_mesh`; the output keeps q's batch and head split.
+    The reference runs in float32 on the same (rounded) inputs."""
     import contextlib
 
     P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
-    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    mesh = jax.make_mesh(tuple(mesh_shape), ("data", "model"))
     assert mesh.explicit_axes == ("data", "model")
+    dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.standard_normal((4, 32, 4, 16), dtype=np.float32))
-    k, v = (jnp.asarray(rng.standard_normal((4, 40, 2, 16), dtype=np.float32)) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((4, seq_q, 4, head_dim), dtype=np.float32), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((4, seq_k, 2, head_dim), dtype=np.float32), dtype) for _ in range(2))
+    up = lambda *xs: [x.astype(jnp.float32) for x in xs]
     slopes = jnp.asarray([0.5, 0.25, 0.1, 0.2])
     options = dict(causal=True, score_mod=lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(jnp.float32),
-                   sinks=jnp.ones(4), kv_lengths=jnp.array([40, 30, 20, 10]))
-    loss = lambda attention: lambda q, k, v: jnp.sum(attention(q, k, v, **options) * q)
-    want = reference.attention(q, k, v, **options)
-    want_grads = jax.grad(loss(reference.attention), argnums=(0, 1, 2))(q, k, v)
+                   sinks=jnp.ones(4), kv_lengths=jnp.array([seq_k, seq_k * 3 // 4, seq_k // 2, seq_k // 4]))
+    loss = lambda attention: lambda q, k, v: jnp.sum(attention(q, k, v, **options).astype(jnp.float32) * q)
+    want = reference.attention(*up(q, k, v), **options)
+    want_grads = jax.grad(loss(reference.attention), argnums=(0, 1, 2))(*up(q, k, v))
     with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
         for spec, kept in ((P("data"), P("data")), (P(None, None, "model"), P(None, None, "model")),
                            (P("data", None, "model"), P("data", None, "model")), (P(), P()),
                            (P(None, "data"), P())):
             qs, ks, vs = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
-            out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, backend="triton", **options))(qs, ks, vs)
-            check_close(out, want, jnp.float32, f"o {spec}")
+            out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, **options))(qs, ks, vs)
+            check_close(out, want, dtype, f"o {spec}")
             assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(kept) + (None,) * (3 - len(kept)), (spec, out)
-            check_close(flashjax.flash_attention(qs, ks, vs, backend="triton", **options), want, jnp.float32, "eager o")
+            check_close(flashjax.flash_attention(qs, ks, vs, backend=backend, **options), want, dtype, "eager o")
             grads = jax.jit(jax.grad(loss(flashjax.flash_attention), argnums=(0, 1, 2)))(qs, ks, vs)
             for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
-                check_close(g, w, jnp.float32, f"{name} {spec}")
+                check_close(g, w, dtype, f"{name} {spec}")
         # MQA with the query heads split: one kv head cannot be, so the heads are gathered.
         qs = jax.device_put(q, NamedSharding(mesh, P("data", None, "model")))
         k1, v1 = (jax.device_put(x[:, :, :1], NamedSharding(mesh, P("data"))) for x in (k, v))
-        out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, backend="triton", causal=True))(qs, k1, v1)
-        check_close(out, reference.attention(q, k[:, :, :1], v[:, :, :1], causal=True), jnp.float32, "o mqa")
+        out = jax.jit(lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, causal=True))(qs, k1, v1)
+        check_close(out, reference.attention(*up(q, k[:, :, :1], v[:, :, :1]), causal=True), dtype, "o mqa")
 
 
 def check_errors():
@@ -252,3 +256,18 @@ def test_sharded_on_gpus(case, request):
                       heads=2 * gpus, kv_heads=gpus)
     check_sharded(seed=zlib.crc32(request.node.nodeid.encode()), seq=1024, head_dim=128, dtype="bfloat16",
                   backend="auto", **layout, **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["batch", "heads"])
+def test_explicit_layouts_on_gpus(split, request):
+    """Arrays on a mesh of Explicit axes over every visible GPU (2 or more; the mesh's other
+    axis of size 1 where fewer than 4), on the kernels `auto` picks (the Hopper kernels on
+    H100/H200), bf16, against the reference."""
+    gpus = gpus_or_skip("the arrays")
+    if gpus >= 4 and gpus % 2 == 0:
+        mesh_shape = (2, gpus // 2)
+    else:
+        mesh_shape = (gpus, 1) if split == "batch" else (1, gpus)
+    check_explicit_layouts(seed=zlib.crc32(request.node.nodeid.encode()), set_mesh=False, mesh_shape=mesh_shape,
+                           dtype="bfloat16", backend="auto", seq_q=512, seq_k=640, head_dim=64)
