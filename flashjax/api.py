@@ -128,7 +128,9 @@ def flash_attention(
         carries its ``mask_mod``, so ``mask_mod`` may be omitted.
       sinks: float ``[heads]``: attention sinks (gpt-oss), a learned logit per head that
         joins the softmax denominator of every row and contributes no value;
-        differentiable. Rows past ``q_lengths`` are padding and get no sink.
+        differentiable. Rows past ``q_lengths`` are padding and get no sink. Finite, or
+        -inf for a head without one; +inf (a sink taking every row's whole weight) gives
+        NaN rows on the kernels.
       dropout_rate, dropout_rng: dropout on the attention probabilities, drawn in the
         kernel from a counter-based hash of (seed, batch, head, row, column), so the
         backward regenerates the same mask and nothing N x N is stored (16 random bits
