@@ -203,17 +203,19 @@ def _check_vector(name: str, x, size: int, axis: str, kind, what: str):
 
 
 def check_lengths(name: str, lengths, batch: int):
-    """int32 [batch] (or None). Lengths past int32 (unsigned or 64-bit ones) clamp to its
-    largest value before the cast, which would wrap them negative: a length past the
-    sequence means the whole sequence either way."""
+    """int32 [batch] (or None), clamped to [-1, MAX_POSITION] before the cast (which would wrap
+    64-bit or unsigned ones): a length past the sequence means the whole sequence, and any
+    negative one no position, either way; the kernels' tile arithmetic (a ceiling division
+    by the tile) then cannot overflow. A concrete -1 is still refused where lengths must lie
+    in the cache (`decode_attention`)."""
     if lengths is None:
         return None
     _check_vector(name, lengths, batch, "batch", jnp.integer, "integers")
-    if isinstance(lengths, np.ndarray):  # clamped in NumPy: JAX would cast 64-bit ones to int32 first
-        lengths = np.minimum(lengths, np.asarray(MAX_POSITION).astype(lengths.dtype))
-    if jnp.iinfo(lengths.dtype).max > MAX_POSITION:
-        lengths = jnp.minimum(lengths, jnp.asarray(MAX_POSITION).astype(lengths.dtype))
-    return lengths.astype(jnp.int32)
+    info = jnp.iinfo(lengths.dtype)
+    low, high = max(info.min, -1), min(info.max, MAX_POSITION)
+    if isinstance(lengths, np.ndarray):  # in NumPy: JAX would cast 64-bit ones to int32 first
+        return jnp.asarray(np.clip(lengths, low, high).astype(np.int32))
+    return jnp.clip(lengths, jnp.asarray(low, lengths.dtype), jnp.asarray(high, lengths.dtype)).astype(jnp.int32)
 
 
 def check_sinks(sinks, heads: int):

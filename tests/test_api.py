@@ -136,11 +136,15 @@ def test_unsigned_lengths_past_int32_mean_the_whole_sequence():
 
 
 def test_numpy_64_bit_lengths_and_ids():
-    """NumPy int64 lengths past int32 clamp (the whole sequence) rather than wrap to 0; int64
-    segment ids that int32 cannot hold are refused rather than merged."""
+    """NumPy int64 lengths past int32 clamp (the whole sequence) rather than wrap to 0, and
+    negative ones below int32 stay negative (no key) rather than wrap to a positive length;
+    int64 segment ids that int32 cannot hold are refused rather than merged."""
     q = jax.random.normal(jax.random.key(0), (2, T, H, D), jnp.float32)
     got = flashjax.flash_attention(q, q, q, kv_lengths=np.array([2**33, 3], np.int64))
     want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    got = flashjax.flash_attention(q, q, q, kv_lengths=np.array([-(2**32) + 5, 3], np.int64))
+    want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([0, 3], jnp.int32), backend="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     ids = np.zeros((2, T), np.int64)
     ids[:, T // 2:] = 2**32  # the same id as 0 once wrapped to int32

@@ -214,11 +214,11 @@ def test_float8_cache_queries_far_outside_float16(rng):
 
 
 @pytest.mark.parametrize("scales", ["head", "page"])
-@pytest.mark.parametrize("magnitude", [1e-8, 1e5])
+@pytest.mark.parametrize("magnitude", [1e-8, 1e5, -2.0])
 def test_float8_cache_scales_far_from_one(rng, scales, magnitude):
     """bfloat16 queries against a float8 cache whose value scales lie far outside float16's
-    range (the products run in float16): the scales still apply exactly, per kv head and per
-    page (16-key pages, several in one key tile, each with its own scale)."""
+    range (the products run in float16), or are negative: the scales still apply exactly,
+    per kv head and per page (16-key pages, several in one key tile, each with its own)."""
     cache = make_cache(rng, 2, 128, 2, BF16, page_size=None if scales == "head" else 16, scales=scales)
     cache = cache._replace(v_scale=cache.v_scale * magnitude, dense_v=cache.dense_v * np.float32(magnitude))
     check(draw_q(rng, 2, 2, 4, BF16), cache, [128, 45])
@@ -250,6 +250,34 @@ def test_slots_past_the_lengths_may_hold_nan(rng, backend, page_size):
         k[~filled] = v[~filled] = np.nan
         table = jnp.asarray(table)
     poisoned = cache._replace(k=jnp.asarray(k).astype(BF16), v=jnp.asarray(v).astype(BF16), page_table=table)
+    check(draw_q(rng, 3, 2, 4, BF16), poisoned, lengths, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_page_scales_of_unfilled_pages_may_hold_anything(rng, backend):
+    """A float8 cache's per-page value scales of the pages no sequence fills (spare pages, and
+    page 0, which the table's -1 entries past each sequence's last page name) hold NaN, inf
+    and 1e30. 16-key pages are gathered eight to a key tile, so these pages share tiles with
+    filled ones: the output is the reference's."""
+    lengths = [29, 0, 70]
+    cache = make_cache(rng, 3, 128, 2, BF16, page_size=16, scales="page")
+    table = np.array(cache.page_table)
+    table[np.arange(table.shape[1])[None, :] * 16 >= np.array(lengths)[:, None]] = -1
+    k, v, k_scale, v_scale = (np.array(x.astype(F32) if x.dtype == FP8 else x)
+                              for x in (cache.k, cache.v, cache.k_scale, cache.v_scale))
+    filled = set(table[table >= 0].tolist())
+    if 0 in filled:  # relabel so that page 0 is unfilled (the dense reference is per sequence)
+        spare = next(p for p in range(len(v_scale)) if p not in filled)
+        for x in (k, v, k_scale, v_scale):
+            x[[0, spare]] = x[[spare, 0]]
+        table = np.where(table == 0, spare, np.where(table == spare, 0, table))
+        filled = set(table[table >= 0].tolist())
+    unfilled = [p for p in range(len(v_scale)) if p not in filled]
+    assert 0 in unfilled and len(unfilled) >= 3
+    for i, page in enumerate(unfilled):
+        v_scale[page] = (np.nan, np.inf, 1e30)[i % 3]
+    poisoned = cache._replace(k=jnp.asarray(k).astype(FP8), v=jnp.asarray(v).astype(FP8), k_scale=jnp.asarray(k_scale),
+                              v_scale=jnp.asarray(v_scale), page_table=jnp.asarray(table))
     check(draw_q(rng, 3, 2, 4, BF16), poisoned, lengths, backend=backend)
 
 

@@ -29,6 +29,7 @@ from flax import linen as nn
 from flax import nnx
 
 import flashjax.flax
+from flashjax import backends
 from flashjax.flax import linen as fj_linen
 from flashjax.flax import nnx as fj_nnx
 
@@ -363,6 +364,31 @@ def test_nnx_decode_prefill_chunk_then_tokens(cache_dtype, key, assert_close, mo
     assert int(m.cache_index[...]) == SEQ
     with pytest.raises(ValueError, match="holds 8 positions"):
         m(x[..., :1, :], decode=True)
+
+
+def test_decode_leaves_a_named_backend_it_cannot_use_to_auto(key, monkeypatch):
+    """A module built with backend="mosaic" (the Hopper kernels, for training) on an H100:
+    decode steps the Hopper decode path can run use it, and those it cannot (a causal prompt
+    chunk, a float32 cache) leave the choice to auto instead of raising."""
+    from flashjax.flax import common as flax_common
+
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    used, real = [], flax_common.decode_attention
+
+    def spy(q, *args, backend, **kwargs):  # records the choice, computes on the reference
+        used.append((q.shape[1], backend))
+        return real(q, *args, backend="xla", **kwargs)
+
+    monkeypatch.setattr(flax_common, "decode_attention", spy)
+    x = jax.random.normal(key, (2, 128, 256)).astype(jnp.bfloat16)
+    for cache_dtype, want in ((jnp.bfloat16, [(4, "auto"), (1, "mosaic")]), (jnp.float32, [(4, "auto"), (1, "auto")])):
+        m = fj_nnx.FlashMultiHeadAttention(num_heads=2, in_features=256, causal=True, dtype=jnp.bfloat16,
+                                           backend="mosaic", rngs=nnx.Rngs(0))
+        m.init_cache(x.shape, dtype=cache_dtype)
+        used.clear()
+        m(x[:, :4], decode=True)
+        m(x[:, 4:5], decode=True)
+        assert used == want, (cache_dtype, used)
 
 
 @pytest.mark.parametrize("page_size", [1, 4], ids=["page1", "page4"])

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flashjax import backends
-from flashjax.decode import decode_attention
+from flashjax.decode import decode_attention, explain_decode
 from flashjax.flax.attention_fn import _attention_fn
 
 __all__ = ["head_dim_of", "update_cache", "paged_cache_layout", "update_paged_cache", "decode_step", "default_inputs", "attend"]
@@ -125,10 +124,17 @@ def decode_step(module, query, cached_key, cached_value, kv_length, page_table=N
     else:
         k, v = cached_key, cached_value
     lengths = jnp.broadcast_to(jnp.asarray(kv_length, jnp.int32), (q.shape[0],))
-    # A backend named for training without a decode path (the Hopper kernels) leaves the
-    # choice to auto, so that one module serves both.
-    backend = module.backend if module.backend == "auto" or backends.get(module.backend).decode else "auto"
-    out = decode_attention(q, k, v, lengths, page_table=page_table, causal=bool(module.causal), backend=backend)
+    options = dict(page_table=page_table, causal=bool(module.causal))
+    # A backend named for training that cannot run this decode call (no decode path, or the
+    # Hopper one's limits: a causal prompt chunk, a float32 cache) leaves the choice to auto,
+    # so that one module serves both.
+    backend = module.backend
+    if backend != "auto":
+        try:
+            explain_decode(q, k, v, lengths, backend=backend, **options)
+        except NotImplementedError:
+            backend = "auto"
+    out = decode_attention(q, k, v, lengths, backend=backend, **options)
     return out.reshape(*batch_dims, steps, heads, head_dim).astype(out_dtype)
 
 

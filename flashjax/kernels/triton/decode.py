@@ -387,6 +387,10 @@ def _decode_kernel(lengths_ref, q_ref, c: _CacheRefs, o_ref, lse_ref, *, scorer:
             filled = jnp.transpose(cols) < length
             v_blocks = [jnp.where(filled, v, jnp.zeros_like(v)) for v in v_blocks]
         v_factor = v_page_scale
+        if masked and v_factor is not None and jnp.ndim(v_factor) == 2:
+            # Pages past the length (the table's padding, its -1 entries) may have any scale,
+            # NaN included: the tile's scale unit (`online_softmax_step`) is of filled slots'.
+            v_factor = jnp.where(cols < length, v_factor, 0.0)
         values = v_blocks[0] if len(v_blocks) == 1 else tuple(v_blocks)
         return scoring.online_softmax_step(acc, m, l, s, values, v_scale=v_factor, precision=precision)
 

@@ -192,7 +192,7 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
         per key row [1, block_k]: it multiplies the weights in the P.V product only, so l
         sums the unscaled weights. The weights enter the product's dtype (float16 for a
         float8 cache) as p * v_scale / u, with u the power of two just above the tile's
-        largest scale, and u multiplies the product in float32: a scale far from 1 (1e-8,
+        largest scale magnitude, and u multiplies the product in float32: a scale far from 1 (1e-8,
         1e5) neither underflows nor overflows float16.
 
     Returns:
@@ -208,7 +208,7 @@ def online_softmax_step(acc, m, l, s, v, *, keep=None, v_scale=None, precision=N
         p = jnp.where(keep, p, 0.0)
     unit = None
     if v_scale is not None:
-        unit, inv_unit = power_of_two_above(jnp.max(v_scale))
+        unit, inv_unit = power_of_two_above(jnp.max(jnp.abs(v_scale)))
         p = p * (v_scale * inv_unit)
 
     def product(b):
