@@ -113,11 +113,22 @@ def run_on_explicit_layout(q, k, v, layout, kwargs):
 
 
 def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
-    if kwargs.get("block_mask") is not None:
+    functions = {name: kwargs.pop(name) for name in (flex.SCORE_MOD, flex.MASK_MOD) if kwargs.get(name) is not None}
+    block_mask = kwargs.get("block_mask")
+    if block_mask is not None:
         # It carries its own mask_mod: that one (with offsets) is the one the shards use.
-        flex.check_block_mask(kwargs["block_mask"], kwargs.pop("mask_mod", None), q.shape[0], q.shape[2],
-                              q.shape[1], k.shape[1])
-    mods = {name: kwargs.pop(name) for name in ("score_mod", "mask_mod") if kwargs.get(name) is not None}
+        flex.check_block_mask(block_mask, functions.pop(flex.MASK_MOD, None), q.shape[0], q.shape[2], q.shape[1],
+                              k.shape[1])
+        functions[flex.MASK_MOD] = block_mask.mask_mod
+        kwargs["block_mask"] = dataclasses.replace(block_mask, mask_mod=None)
+    # The mods are traced here: the shards evaluate their programs on the closed-over arrays,
+    # passed whole (P()) as operands, and the compiled call is cached on the programs, never
+    # on the functions (which may read state that changes between calls).
+    mods, consts = [], []
+    for name, fn in functions.items():
+        mod, mod_consts = flex.trace(fn, name)
+        mods.append((name, mod, len(mod_consts)))
+        consts += mod_consts
     spec = P(batch_axis, None, head_axis, None)
     names, arrays, specs = [], [], []
     static = {}
@@ -130,9 +141,9 @@ def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
             names.append(name)
             arrays.append(value)
             specs.append(array_spec)
-    in_specs = (spec, spec, spec, *specs)
-    args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays), in_specs)]
-    key = (mesh, batch_axis, head_axis, tuple(names), in_specs, tuple(static.items()), tuple(mods.items()))
+    in_specs = (spec, spec, spec, *specs, *(P() for _ in consts))
+    args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays, *consts), in_specs)]
+    key = (mesh, batch_axis, head_axis, tuple(names), in_specs, tuple(static.items()), tuple(mods))
     try:
         run = _shard_mapped(*key)
     except TypeError:  # an unhashable option: built for this call alone
@@ -145,23 +156,28 @@ def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, st
     """`flash_attention` per shard of q's batch and head axes, under jit: jit traces the body
     even when the call is eager, where an eager shard_map would run the backends' host-side
     code op by op on its per-device values (which JAX 0.11 cannot always place on a manual
-    mesh). Cached on the options, so that eager calls in a loop compile once."""
-    static, mods = dict(static), dict(mods)
+    mesh). Cached on the options and the mods' programs ((name, `flex.Mod`, count of its
+    closed-over arrays), which follow the array options among the operands), so that eager
+    calls in a loop compile once."""
+    static = dict(static)
     return_lse = bool(static.get("return_lse", False))
     fold_dropout = static.get("dropout_rate", 0.0) > 0.0 and not static.get("broadcast_dropout", False)
 
-    def local(q, k, v, *local_arrays):
-        options = dict(static, **dict(zip(names, local_arrays)))
-        block_mask = options.get("block_mask")
-        if mods or block_mask is not None:
+    def local(q, k, v, *operands):
+        options = dict(static, **dict(zip(names, operands)))
+        consts = operands[len(names):]
+        if mods:
             # The mods index the whole batch and all heads: this shard's first ones.
             batch_offset = checks.mesh_axes_index(mesh, batch_axis) * q.shape[0]
             head_offset = checks.mesh_axes_index(mesh, head_axis) * q.shape[2]
-            for name, mod in mods.items():
-                options[name] = _with_offsets(mod, name == "score_mod", batch_offset, head_offset)
-            if block_mask is not None:  # its blocks arrive split; its mask_mod gets the offsets
-                options["block_mask"] = dataclasses.replace(
-                    block_mask, mask_mod=_with_offsets(block_mask.mask_mod, False, batch_offset, head_offset))
+            for name, mod, count in mods:
+                fn = _with_offsets(mod.bind(consts[:count]), name == flex.SCORE_MOD, batch_offset, head_offset)
+                consts = consts[count:]
+                if name == flex.MASK_MOD and options.get("block_mask") is not None:
+                    # The block mask's blocks arrive split; its mask_mod is the traced one.
+                    options["block_mask"] = dataclasses.replace(options["block_mask"], mask_mod=fn)
+                else:
+                    options[name] = fn
         if fold_dropout:
             # The kernels' dropout hash sees local batch/head indices: without this
             # every shard would draw the same mask.

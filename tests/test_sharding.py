@@ -181,6 +181,37 @@ def check_explicit_layouts(*, seed, set_mesh, mesh_shape=(2, 2), dtype="float32"
         check_close(out, reference.attention(*up(q, k[:, :, :1], v[:, :, :1]), causal=True), dtype, "o mqa")
 
 
+def check_mods_on_shards():
+    """The shards evaluate the mods' traced programs on their closed-over arrays as operands:
+    a mod reading state that changes between calls (a bound method reading an attribute)
+    sees the new values, and a mask_mod closing over document ids split over an Explicit
+    mesh (like the tokens) equals the built-in segment_ids."""
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    q = jax.random.normal(jax.random.key(0), (4, 16, 2, 16))
+
+    class Model:
+        bias = jnp.zeros((2,))
+
+        def score_mod(self, s, b, h, i, j):
+            return s + self.bias[h] * (i - j).astype(jnp.float32)
+
+    model = Model()
+    auto = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    for bias in (jnp.zeros((2,)), jnp.full((2,), 0.5)):
+        model.bias = bias
+        got = sharded_flash_attention(q, q, q, mesh=auto, batch_axis="data", score_mod=model.score_mod)
+        check_close(got, reference.attention(q, q, q, score_mod=model.score_mod), jnp.float32, "o after the update")
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    docs = jnp.asarray(np.repeat(np.arange(4), 4)[None].repeat(4, 0) % 3)
+    qs, docs_split = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, docs))
+    got = flashjax.flash_attention(qs, qs, qs, mask_mod=lambda b, h, i, j: docs_split[b, i] == docs_split[b, j])
+    check_close(got, reference.attention(q, q, q, segment_ids=docs), jnp.float32, "o with split document ids")
+
+
+def test_mods_on_shards():
+    run_on_devices(__file__, "check_mods_on_shards")
+
+
 def check_errors():
     """Sequence or head_dim sharding, GQA head counts that do not divide: ValueErrors that say what to do."""
     mesh = jax.make_mesh((DEVICES,), ("x",))
