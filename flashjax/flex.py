@@ -457,6 +457,8 @@ def _evaluate(jaxpr, consts, args) -> list:
         ins = [read(x) for x in eqn.invars]
         if any(isinstance(x, _ConstRef) for x in ins):
             outs = _with_refs(eqn, ins)
+        elif eqn.primitive.name in INLINED_CALLS:
+            outs = _evaluate(*inner_jaxpr(eqn), ins)
         else:
             outs = _bind(eqn, ins)
         for var, value in zip(eqn.outvars, outs):
@@ -697,6 +699,10 @@ def _point_gather(eqn, array: _ConstRef, indices):
 # while) runs many times: loops are evaluated as primitives, never inlined.
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
                    "custom_vjp_call"})
+# The calls `_evaluate` inlines rather than binds: a jit recorded where the mod was traced
+# carries that trace's mesh context (an Explicit mesh set with jax.set_mesh), which a
+# shard_map body evaluating the mod cannot take. Custom-derivative calls keep their rules.
+INLINED_CALLS = CALLS - {"custom_jvp_call", "custom_vjp_call"}
 
 
 def inner_jaxpr(eqn):

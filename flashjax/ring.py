@@ -664,6 +664,7 @@ def _ring_fwd(ring: _Ring, q, k, v, segments, score_consts, mask_consts):
 
 def _ring_bwd(ring: _Ring, residuals, cotangents):
     q, k, v, segments, score_consts, mask_consts, o, lse = residuals
+    primals = (q, k, v)
     do, dlse = cotangents
     spec, lse_spec = ring.qkv_spec, ring.lse_spec
     in_specs = (spec, spec, spec, _segments_spec(ring, segments), spec, lse_spec, spec, lse_spec,
@@ -677,7 +678,21 @@ def _ring_bwd(ring: _Ring, residuals, cotangents):
     grads = fn(q, k, v, _place_segments(ring, segments), o, lse, do, dlse,
                *_place_consts(ring, score_consts, mask_consts))
     dscore = grads[3] if ring.has_mods else tuple(None for _ in score_consts)
-    return (*grads[:3], None, dscore, tuple(None for _ in mask_consts))
+    dscore = tuple(None if g is None else _typed_like(ring, g, c) for g, c in zip(dscore, score_consts))
+    dqkv = tuple(_typed_like(ring, g, x) for g, x in zip(grads[:3], primals))
+    return (*dqkv, None, dscore, tuple(None for _ in mask_consts))
+
+
+def _typed_like(ring: _Ring, cotangent, primal):
+    """On an Explicit mesh, `cotangent` laid out as `primal` is typed (JAX wants a cotangent
+    of the primal's type: a replicated q's gradient arrives split along the ring); elsewhere
+    unchanged."""
+    if not any(t == AxisType.Explicit for t in ring.mesh.axis_types):
+        return cotangent
+    sharding = jax.typeof(primal).sharding
+    if sharding.mesh.empty:  # an array typed on no mesh: replicated on the ring's
+        sharding = NamedSharding(ring.mesh, P())
+    return jax.reshard(cotangent, sharding)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

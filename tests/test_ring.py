@@ -236,6 +236,45 @@ def test_ring_under_remat_and_vmap(request):
     run_on_devices(__file__, "check_ring_transforms", seed=zlib.crc32(request.node.nodeid.encode()))
 
 
+def check_ring_on_explicit_meshes(*, seed):
+    """On a mesh of Explicit axes (jax.make_mesh's default), with inputs typed replicated:
+    the gradients are typed like the inputs (so a gather before the ring, `x[:, perm]` or
+    `zigzag_order`, differentiates), and under jax.set_mesh a mask_mod and a score_mod
+    with a learned table differentiate (q and the table) on the reference blocks and the
+    Triton blocks, against the reference."""
+    mesh = jax.make_mesh((DEVICES,), ("sp",))
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((1, 32, 2, 16), dtype=np.float32))
+    table = jnp.asarray(rng.standard_normal((2, 8), dtype=np.float32))
+    perm = np.arange(32)[::-1].copy()
+    ring = lambda q, **kw: ring_attention(q, q, q, mesh=mesh, axis_name="sp", **kw)
+    (dq,) = jax.vjp(lambda q: ring(q, backend="xla", causal=False), q)[1](jnp.ones_like(q))
+    assert jax.typeof(dq).sharding.spec == jax.typeof(q).sharding.spec, (jax.typeof(dq), jax.typeof(q))
+    for layout in (lambda q: q[:, perm], lambda q: zigzag_order(q, DEVICES)):
+        want = jax.grad(lambda q: jnp.sum(reference.attention(layout(q), layout(q), layout(q)) ** 2))(q)
+        got = jax.jit(jax.grad(lambda q: jnp.sum(ring(layout(q), backend="xla") ** 2)))(q)
+        check_close(got, want, jnp.float32, "dq through a gather")
+    mask_mod = lambda b, h, i, j: j >= i - 20
+
+    def loss(attention, **kw):  # the table an argument, for its gradient
+        def run(q, t):
+            score_mod = lambda s, b, h, i, j: s + t[h, jnp.clip(i - j, 0, 7)]
+            return jnp.sum(attention(q, q, q, causal=True, mask_mod=mask_mod, score_mod=score_mod, **kw) ** 2)
+        return run
+
+    want = jax.grad(loss(reference.attention), argnums=(0, 1))(q, table)
+    with jax.set_mesh(mesh):
+        for backend in ("xla", "triton"):
+            got = jax.jit(jax.grad(loss(ring_attention, mesh=mesh, axis_name="sp", backend=backend, load_balance=False),
+                                   argnums=(0, 1)))(q, table)
+            for name, g, w in zip(("dq", "dtable"), got, want):
+                check_close(g, w, jnp.float32, f"{name} {backend}")
+
+
+def test_ring_on_explicit_meshes(request):
+    run_on_devices(__file__, "check_ring_on_explicit_meshes", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_zigzag_layout(n):
     seq = 4 * n
