@@ -212,6 +212,9 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
     forward and the backward, the backend chosen and each backend ``auto`` tried before
     it with the options that excluded it.
 
+    On arrays typed on a mesh of Explicit axes it describes the call each device makes
+    (its share of the batch and heads), as `flash_attention` runs it.
+
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` and ``backward_backend`` fields name them).
     """
@@ -224,7 +227,12 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
         described.append(_prepare(q, k, v, **arrays, **static)[0])
 
     jax.eval_shape(describe, q, k, v, arrays)  # checks and describes without computing anything
-    return backends.choose(described[0], backend, config)
+    from flashjax import sharding  # imports this module
+
+    call, layout = described[0], sharding.explicit_layout(q, k, v)
+    if layout is not None:  # the kernels run per shard: the call one device makes
+        call = sharding.shard_call(call, layout)
+    return backends.choose(call, backend, config)
 
 
 def _is_array_like(value) -> bool:

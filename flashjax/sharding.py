@@ -112,6 +112,17 @@ def run_on_explicit_layout(q, k, v, layout, kwargs):
     return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
 
 
+def shard_call(call, layout):
+    """The `Call` each device makes for `call` on arrays of an Explicit `layout`
+    (`run_on_explicit_layout`): its share of the batch and of the heads (the heads whole
+    where the kv heads do not divide)."""
+    mesh, batch_axis, head_axis = layout
+    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    heads = sizes["head_axis"] if call.kv_heads % sizes["head_axis"] == 0 else 1
+    return dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // heads,
+                               kv_heads=call.kv_heads // heads)
+
+
 def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
     functions = {name: kwargs.pop(name) for name in (flex.SCORE_MOD, flex.MASK_MOD) if kwargs.get(name) is not None}
     block_mask = kwargs.get("block_mask")

@@ -185,7 +185,8 @@ def check_mods_on_shards():
     """The shards evaluate the mods' traced programs on their closed-over arrays as operands:
     a mod reading state that changes between calls (a bound method reading an attribute)
     sees the new values, and a mask_mod closing over document ids split over an Explicit
-    mesh (like the tokens) equals the built-in segment_ids."""
+    mesh (like the tokens) equals the built-in segment_ids. `explain` on such arrays
+    describes one device's call."""
     P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
     q = jax.random.normal(jax.random.key(0), (4, 16, 2, 16))
 
@@ -206,6 +207,11 @@ def check_mods_on_shards():
     qs, docs_split = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, docs))
     got = flashjax.flash_attention(qs, qs, qs, mask_mod=lambda b, h, i, j: docs_split[b, i] == docs_split[b, j])
     check_close(got, reference.attention(q, q, q, segment_ids=docs), jnp.float32, "o with split document ids")
+    # explain describes the call one device makes: past the interpret-mode limit whole
+    # (the reference), within it per batch shard (the Triton kernels, as they run).
+    big = jax.device_put(jnp.zeros((8, 600, 2, 16)), NamedSharding(mesh, P("data")))
+    assert flashjax.explain(big, big, big).backend == "triton"
+    assert flashjax.explain(np.zeros(big.shape), np.zeros(big.shape), np.zeros(big.shape)).backend == "xla"
 
 
 def test_mods_on_shards():
