@@ -9,6 +9,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashjax import backends, checks
 from flashjax.kernels.common import fold_sinks
@@ -155,7 +156,7 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     """Which backend `decode_attention` runs this call on, and why the ones before it do not.
 
     Takes the arguments of `decode_attention` (arrays or ``jax.ShapeDtypeStruct``s) and runs
-    nothing: ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))``
+    no kernel (with concrete arrays, it checks the lengths' range as decode_attention does): ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))``
     shows the backend chosen and each backend ``auto`` tried before it with its reasons.
 
     Returns:
@@ -167,9 +168,13 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     taken = {name: bound.arguments[name] for name in inspect.signature(_prepare).parameters}
     arrays = {name: value for name, value in taken.items() if hasattr(value, "shape")}
     static = {name: value for name, value in taken.items() if name not in arrays}
-    described = []
-    # Under eval_shape: checks and describes, computes nothing.
-    jax.eval_shape(lambda arrays: described.append(_prepare(**arrays, **static)[1]), arrays)
+    concrete = all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
+                   for x in arrays.values())
+    if concrete:  # every check decode_attention makes, the lengths' range included (a few [batch] ops)
+        described = [_prepare(**taken)[1]]
+    else:  # under eval_shape: checks and describes, computes nothing
+        described = []
+        jax.eval_shape(lambda arrays: described.append(_prepare(**arrays, **static)[1]), arrays)
     return backends.choose_decode(described[0], backend, config)
 
 

@@ -450,7 +450,8 @@ def test_latent_cache_under_jit_and_vmap(rng):
 
 def test_explain_decode():
     """explain_decode names the backend decode_attention takes and why the ones before it do
-    not, from shapes alone; it checks the arguments as decode_attention does."""
+    not, from shapes alone; it checks the arguments as decode_attention does (with concrete
+    arrays, the lengths' range too)."""
     S = jax.ShapeDtypeStruct
     q, latent = S((2, 1, 16, 80), BF16), S((40, 16, 1, 80), BF16)
     table, lengths = S((2, 20), jnp.int32), S((2,), jnp.int32)
@@ -464,6 +465,11 @@ def test_explain_decode():
         flashjax.explain_decode(q, latent, None, lengths, page_table=table)
     with pytest.raises(TypeError, match="unexpected keyword"):
         flashjax.explain_decode(q, latent, None, lengths, page_table=table, v_head_dim=64, windw=(1, 1))
+    # Concrete arrays: the lengths' range is checked as decode_attention checks it.
+    q, cache = jnp.ones((2, 1, 2, 16), BF16), jnp.ones((2, 8, 2, 16), BF16)
+    assert flashjax.explain_decode(q, cache, cache, np.array([8, 1])).backend in ("triton", "xla")
+    with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 8\]"):
+        flashjax.explain_decode(q, cache, cache, np.array([9, 1]))
 
 
 def test_gradient_raises(rng):
