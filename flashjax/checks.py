@@ -7,6 +7,7 @@ They run before anything is traced.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -141,13 +142,26 @@ def check_dropout(dropout_rate, dropout_rng) -> float:
         dtype = getattr(dropout_rng, "dtype", None)
         shape = tuple(getattr(dropout_rng, "shape", (None,)))
         typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
-        raw = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key) and dtype == jnp.uint32 and shape == (2,)
+        raw_shape = _raw_key_shape()
+        raw = (dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key) and dtype == jnp.uint32
+               and shape == raw_shape)
         if not (typed or raw):
             raise ValueError(
-                "dropout_rng must be one jax.random key (jax.random.key(...) or a uint32[2] "
-                f"jax.random.PRNGKey(...)), got {dropout_rng!r}."
+                "dropout_rng must be one jax.random key (jax.random.key(...) or a uint32"
+                f"{list(raw_shape)} jax.random.PRNGKey(...) of the default implementation), got {dropout_rng!r}."
             )
     return rate
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of a raw key of JAX's default PRNG implementation (uint32[2] for threefry,
+    uint32[4] for rbg), which `jax.random.PRNGKey` returns and jax.random functions take."""
+    return _raw_key_shape_of(jax.config.jax_default_prng_impl)
+
+
+@functools.cache
+def _raw_key_shape_of(impl: str) -> tuple[int, ...]:
+    return tuple(jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape)
 
 
 def check_pair_array(name: str, x, shape: tuple[int, ...], *, floating: bool):

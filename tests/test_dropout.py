@@ -233,3 +233,25 @@ def test_keep_threshold_rounds_the_rate_to_16_bits():
     assert dropout.keep_threshold(0.5) == 2**15
     assert dropout.keep_threshold(0.1) == round(0.1 * 2**16)
     assert dropout.keep_threshold(1 - 2**-20) == 2**16 - 1  # never a threshold that drops every key
+
+
+@pytest.fixture
+def rbg_default():
+    """JAX's default PRNG implementation set to rbg (raw keys uint32[4]) for one test."""
+    before = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "rbg")
+    yield
+    jax.config.update("jax_default_prng_impl", before)
+
+
+def test_raw_keys_of_the_default_implementation(rbg_default):
+    """Under jax_default_prng_impl="rbg" (large training setups), `jax.random.PRNGKey` is a
+    raw uint32[4] key, which linen's make_rng hands to attention_fn: accepted, with the mask
+    of the same key typed; a uint32[2] key is not of that implementation and is refused."""
+    raw = jax.random.PRNGKey(3)
+    assert raw.shape == (4,)
+    q = jax.random.normal(jax.random.key(0), (1, 24, 2, 16), jnp.float32)
+    run = lambda rng: flashjax.flash_attention(q, q, q, dropout_rate=0.5, dropout_rng=rng)
+    np.testing.assert_array_equal(np.asarray(run(raw)), np.asarray(run(jax.random.wrap_key_data(raw))))
+    with pytest.raises(ValueError, match=r"uint32\[4\]"):
+        run(jnp.zeros((2,), jnp.uint32))
