@@ -480,3 +480,19 @@ def test_make_attention_fn_options(key, assert_close):
         flax_mha.attention_fn = fn
         got = flax_mha(x, mask=None if fn.keywords["causal"] else mask)
         assert_close(got, want, jnp.float32, str(fn.keywords), tol=OUT_TOL)
+
+
+def test_window_in_flax_cache_decoding_raises(key):
+    """make_attention_fn(window=) aligns the window to the arrays' ends: right for a full
+    sequence, wrong for Flax's KV-cache decoding (the query sits at the cache index, which
+    attention_fn is not given), which raises instead of returning a wrong output."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    fn = flashjax.flax.make_attention_fn(causal=True, window=(3, 0))
+    layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, attention_fn=fn,
+                                   rngs=nnx.Rngs(0))
+    band = (jnp.arange(SEQ)[None, :] <= jnp.arange(SEQ)[:, None]) & (jnp.arange(SEQ)[None, :] >= jnp.arange(SEQ)[:, None] - 3)
+    want = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(0))(x, mask=band)
+    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    layer.init_cache(x.shape)
+    with pytest.raises(ValueError, match="KV-cache decoding"):
+        layer(x[:, :1], decode=True)

@@ -56,7 +56,10 @@ def make_attention_fn(
         sees the whole cache, and the cache mask hides the empty slots). This
         differs from Flax's ``is_causal``, which is aligned to the top left; both
         agree when the lengths are equal.
-      window: ``(left, right)`` sliding window, as in `flashjax.flash_attention`.
+      window: ``(left, right)`` sliding window, as in `flashjax.flash_attention`: aligned
+        to the arrays' ends, so it cannot serve Flax's KV-cache decoding (a one-token
+        query against the whole cache and its mask), which raises; put the window in
+        the mask there.
       softcap: logit soft-capping, as in `flashjax.flash_attention`.
       backend: ``"auto"``, ``"triton"``, ``"mosaic"`` or ``"xla"``.
       config: a `flashjax.Config` for the kernels' tiling, or ``None``.
@@ -181,6 +184,15 @@ def _attention_fn(
     heads = query.shape[-2]
     batch = math.prod(batch_dims)
 
+    if window is not None and mask is not None and seq_q < seq_k and kv_length is None:
+        # Flax's KV-cache decoding: a query at the cache index against the whole cache, the
+        # filled slots in the mask. The window is aligned to the arrays' ends, not to that
+        # index, which this function is not given: it would cover the empty last slots.
+        raise ValueError(
+            f"window={window} with a mask and q_len {seq_q} < kv_len {seq_k} (Flax's KV-cache decoding): the window "
+            "is aligned to the arrays' ends, not to the query's position in the cache, which attention_fn is not "
+            "given. Put the window in the mask for decoding (or use flashjax.decode_attention with window=)."
+        )
     if mask is not None and mask.dtype != jnp.bool_:
         mask = mask != 0  # Flax's jnp.where(mask, ...) reads nonzero as "attend"
     if is_causal:
