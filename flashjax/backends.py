@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from typing import Any, Callable
 
 import jax
@@ -258,3 +259,23 @@ def _first(call, candidates, reasons_of):
         passed.append((name, tuple(reasons)))
     details = "; ".join(f"{name}: {', '.join(r)}" for name, r in passed)
     raise NotImplementedError(f"no backend can run this call ({details}).")
+
+
+def _preload_interpreters() -> None:
+    """Imports Pallas' interpret-mode modules now where JAX has no CUDA plugin (the kernels then
+    run in interpret mode). The first interpret-mode lowering would import them, and one
+    registers a JAX config option, which changes every jit cache key: a user's jitted step
+    traced before it would compile a second time."""
+    if any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "jax_cuda13_plugin",
+                                                                  "jax_cuda12_plugin")):
+        return
+    for name in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic.interpret.params",
+                 "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call",
+                 "jax._src.pallas.mosaic_gpu.interpret.params"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+_preload_interpreters()

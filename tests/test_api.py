@@ -5,6 +5,7 @@ checks run before any kernel is traced, so the tests are instant.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -368,3 +369,26 @@ def test_dtypes_no_kernel_takes_run_on_the_reference(dtype):
             flashjax.flash_attention(q, k, v, backend="triton")
         grads = jax.grad(lambda q: jnp.sum(jnp.abs(flashjax.flash_attention(q, k, v)) ** 2))(q)
         assert grads.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.isfinite(grads)))
+
+
+def test_first_interpret_call_does_not_retrace_the_callers_jit():
+    """Without a GPU the kernels run in Pallas interpret mode, whose first lowering imports
+    modules that register a JAX config option (a new jit cache key). flashjax imports them
+    first: a fresh process's jitted step is traced once across calls."""
+    import subprocess
+    import sys
+
+    program = """
+import jax, jax.numpy as jnp, flashjax
+traces = []
+@jax.jit
+def step(q):
+    traces.append(1)
+    return flashjax.flash_attention(q, q, q, causal=True, backend="triton")
+for i in range(3):
+    step(jax.random.normal(jax.random.key(i), (1, 16, 2, 16))).block_until_ready()
+assert len(traces) == 1, traces
+"""
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
