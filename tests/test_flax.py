@@ -496,3 +496,20 @@ def test_window_in_flax_cache_decoding_raises(key):
     layer.init_cache(x.shape)
     with pytest.raises(ValueError, match="KV-cache decoding"):
         layer(x[:, :1], decode=True)
+
+
+def test_nnx_call_takes_multi_head_attentions_keywords(key):
+    """The nnx module's call takes nnx.MultiHeadAttention's is_causal (top-left aligned, with
+    q_len != kv_len too) and sow_weights=False, so that swapping the class keeps call sites;
+    sow_weights=True and inputs of the wrong width raise clear errors."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    ours = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, rngs=nnx.Rngs(0))
+    flax_mha = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(0))
+    for inputs_k in (None, x[:, :SEQ - 3]):
+        got = ours(x, inputs_k, is_causal=True, sow_weights=False)
+        want = flax_mha(x, inputs_k, is_causal=True)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="sow"):
+        ours(x, sow_weights=True)
+    with pytest.raises(ValueError, match="in_features=32"):
+        ours(x[..., :16])

@@ -130,7 +130,8 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
-                 deterministic: bool | None = None, rngs=None, decode: bool | None = None):
+                 deterministic: bool | None = None, rngs=None, decode: bool | None = None, is_causal: bool = False,
+                 sow_weights: bool = False):
         """Attention of ``inputs_q`` over ``inputs_k``/``inputs_v`` (self-attention if omitted).
 
         Args:
@@ -147,11 +148,29 @@ class FlashMultiHeadAttention(nnx.Module):
             dropout this is `flashjax.decode_attention` (split-KV over the cache, read in
             place in its dtype: ``init_cache(..., dtype=)`` with the compute dtype);
             (``init_cache`` first); overrides the attribute.
+          is_causal: `nnx.MultiHeadAttention`'s flag, aligned to the top left (query ``i``
+            attends keys ``j <= i``), joined to ``mask``; the ``causal`` attribute is the
+            kernels' own causal mask (aligned to the bottom right, tiles skipped), the
+            same where the lengths are equal. Not with ``decode``.
+          sow_weights: accepted as False only: the weights are never materialised.
 
         Returns:
           ``[batch..., q_len, out_features]``.
         """
+        if sow_weights:
+            raise NotImplementedError("flashjax never materialises the attention weights, so they cannot be sown "
+                                      "(sow_weights=True); use nnx.MultiHeadAttention for the layers to inspect.")
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module was built with in_features="
+                             f"{self.in_features}.")
         inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
+        if is_causal:
+            if decode if decode is not None else self.decode:
+                raise ValueError("is_causal with decode: the cache's positions decide what a step sees; build the "
+                                 "module with causal=True instead.")
+            q_len, kv_len = inputs_q.shape[-2], inputs_k.shape[-2]
+            tril = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
+            mask = tril if mask is None else jnp.logical_and(mask, tril)
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
         if self.qk_norm:
             query, key = self.query_norm(query), self.key_norm(key)
