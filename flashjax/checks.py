@@ -161,6 +161,7 @@ def _raw_key_shape() -> tuple[int, ...]:
 
 @functools.cache
 def _raw_key_shape_of(impl: str) -> tuple[int, ...]:
+    """`_raw_key_shape`, computed once per implementation (`impl`, the cache key)."""
     return tuple(jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape)
 
 

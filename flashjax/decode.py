@@ -156,8 +156,9 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     """Which backend `decode_attention` runs this call on, and why the ones before it do not.
 
     Takes the arguments of `decode_attention` (arrays or ``jax.ShapeDtypeStruct``s) and runs
-    no kernel (with concrete arrays, it checks the lengths' range as decode_attention does): ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))``
-    shows the backend chosen and each backend ``auto`` tried before it with its reasons.
+    no kernel (with concrete arrays, it checks the lengths' range as decode_attention does):
+    ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))`` shows the
+    backend chosen and each backend ``auto`` tried before it with its reasons.
 
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` field names the one chosen).
