@@ -385,13 +385,17 @@ def kernel_backward_reasons(call) -> list[str]:
     return []
 
 
-def unreadable_reason(name: str, mod: Mod | None) -> str | None:
+def call_mods(call) -> list[tuple[str, Mod]]:
+    """(name, `Mod`) of the call's score_mod and mask_mod, those given."""
+    return [(name, mod) for name, mod in ((SCORE_MOD, call.score_mod), (MASK_MOD, call.mask_mod)) if mod is not None]
+
+
+def unreadable_reason(name: str, mod: Mod) -> str | None:
     """Why the kernels cannot evaluate `mod` (named `name` for the message): it uses a
     closed-over array other than by reading one element (`Mod.unreadable_arrays`)."""
-    if mod is None or not mod.unreadable_arrays:
+    if not mod.unreadable_arrays:
         return None
-    return (f"{name} uses the closed-over {'; '.join(mod.unreadable_arrays)}, and the kernels read such an "
-            "array one element per score, every axis indexed at once (e.g. table[h, bucket], not table[h][bucket])")
+    return f"{name} uses the closed-over {'; '.join(mod.unreadable_arrays)}. {UNREADABLE_HINT}"
 
 
 def _used_inputs(jaxpr) -> list[bool]:

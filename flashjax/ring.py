@@ -64,7 +64,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flashjax import backends, checks, flex
 from flashjax.kernels.common import fold_sinks, merge
@@ -616,7 +616,7 @@ def _sharded(ring: _Ring, fn, in_specs, out_specs):
 def _place(ring: _Ring, x, spec):
     """Lays x out as `spec` on the mesh (a no-op when it already is)."""
     sharding = NamedSharding(ring.mesh, spec)
-    if any(t == AxisType.Explicit for t in ring.mesh.axis_types):
+    if ring.mesh.explicit_axes:
         # Explicit-sharding meshes (jax.make_mesh's default) type arrays by their
         # sharding; shard_map wants its inputs typed exactly as its in_specs.
         return jax.reshard(x, sharding)
@@ -687,7 +687,7 @@ def _typed_like(ring: _Ring, cotangent, primal):
     """On an Explicit mesh, `cotangent` laid out as `primal` is typed (JAX wants a cotangent
     of the primal's type: a replicated q's gradient arrives split along the ring); elsewhere
     unchanged."""
-    if not any(t == AxisType.Explicit for t in ring.mesh.axis_types):
+    if not ring.mesh.explicit_axes:
         return cotangent
     sharding = jax.typeof(primal).sharding
     if sharding.mesh.empty:  # an array typed on no mesh: replicated on the ring's

@@ -144,7 +144,7 @@ def default_inputs(inputs_q, inputs_k, inputs_v):
     return inputs_q, inputs_k, inputs_k if inputs_v is None else inputs_v
 
 
-def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic, cache=None):
+def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic, cache=None, is_causal=False):
     """Attention of projected ``query`` [batch..., q_len, heads, head_dim] over ``key``/``value``,
     with the module's options (causal, dropout, dtype, backend, config).
 
@@ -154,6 +154,7 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     cache. Without a mask, bias or dropout this is `decode_step`
     (`flashjax.decode_attention`); with one of them (contiguous caches only) it is
     `flashjax.flash_attention` with ``kv_length`` bounding the keys, one position per step.
+    ``is_causal``: Flax's top-left aligned causal flag (`_attention_fn`), without a cache.
 
     Returns:
       (output [batch..., q_len, heads, head_dim], the updated cache or None).
@@ -180,5 +181,6 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
         query, key, value, bias=bias, mask=mask, broadcast_dropout=module.broadcast_dropout,
         dropout_rng=dropout_rng, dropout_rate=module.dropout_rate, deterministic=deterministic,
         dtype=module.dtype, causal=causal, backend=module.backend, config=module.config, kv_length=kv_length,
+        is_causal=is_causal,
     )
     return out, new_cache

@@ -164,19 +164,15 @@ class FlashMultiHeadAttention(nnx.Module):
             raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module was built with in_features="
                              f"{self.in_features}.")
         inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
-        if is_causal:
-            if decode if decode is not None else self.decode:
-                raise ValueError("is_causal with decode: the cache's positions decide what a step sees; build the "
-                                 "module with causal=True instead.")
-            q_len, kv_len = inputs_q.shape[-2], inputs_k.shape[-2]
-            tril = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
-            mask = tril if mask is None else jnp.logical_and(mask, tril)
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
         if self.qk_norm:
             query, key = self.query_norm(query), self.key_norm(key)
 
         cache = None
         if decode if decode is not None else self.decode:
+            if is_causal:
+                raise ValueError("is_causal with decode: the cache's positions decide what a step sees; build the "
+                                 "module with causal=True instead.")
             if self.cached_key is None:
                 raise ValueError("decode=True needs a KV cache: call init_cache(input_shape) first.")
             cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
@@ -195,7 +191,7 @@ class FlashMultiHeadAttention(nnx.Module):
             dropout_rng = stream.dropout() if isinstance(stream, nnx.Rngs) else stream()
 
         x, cache = attend(self, query, key, value, mask=mask, bias=bias, dropout_rng=dropout_rng,
-                          deterministic=deterministic, cache=cache)
+                          deterministic=deterministic, cache=cache, is_causal=is_causal)
         if cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
         return self.out(x)

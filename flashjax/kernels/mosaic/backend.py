@@ -97,9 +97,7 @@ def _kernel_mods(call: Call) -> list[tuple[str, flex.Mod | str]]:
     row, column or score, which Mosaic GPU has no instruction for; reads at the batch row and
     head are one scalar load per tile) must be moved out of the kernel by `sides.split`."""
     mods = []
-    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
-        if mod is None:
-            continue
+    for name, mod in flex.call_mods(call):
         if why := flex.unreadable_reason(name, mod):
             mod = why
         elif mod.position_reads:

@@ -35,7 +35,7 @@ def supports(call: Call) -> list[str]:
         reasons.append(f"{jnp.dtype(call.dtype).name} inputs (the kernels take bfloat16, float16 or float32)")
     if max(call.head_dim, call.v_head_dim or 0) > MAX_HEAD_DIM:
         reasons.append(f"head_dim {max(call.head_dim, call.v_head_dim or 0)} > {MAX_HEAD_DIM}")
-    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+    for name, mod in flex.call_mods(call):
         if why := flex.unreadable_reason(name, mod):
             reasons.append(why)
     return reasons + _unlowered_mods(call, derivative=False)
@@ -53,9 +53,8 @@ def _unlowered_mods(call: Call, derivative: bool) -> list[str]:
     if call.platform != "gpu":
         return []
     reasons = []
-    for name, mod in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
-        missing = sorted(mod.primitives(derivative) - _lowered_primitives()) if mod is not None else ()
-        if missing:
+    for name, mod in flex.call_mods(call):
+        if missing := sorted(mod.primitives(derivative) - _lowered_primitives()):
             where = f"{name}'s derivative" if derivative else name
             reasons.append(f"{where} uses {', '.join(missing)}, which Pallas' Triton lowering does not have")
     return reasons
