@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 from typing import Any, Callable
 
 import jax
@@ -262,12 +263,15 @@ def _first(call, candidates, reasons_of):
 
 
 def _preload_interpreters() -> None:
-    """Imports Pallas' interpret-mode modules now where JAX has no CUDA plugin (the kernels then
-    run in interpret mode). The first interpret-mode lowering would import them, and one
-    registers a JAX config option, which changes every jit cache key: a user's jitted step
-    traced before it would compile a second time."""
-    if any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "jax_cuda13_plugin",
-                                                                  "jax_cuda12_plugin")):
+    """Imports Pallas' interpret-mode modules now where the kernels will run in interpret mode:
+    JAX has no CUDA plugin, or `JAX_PLATFORMS` names no GPU platform. The first interpret-mode
+    lowering would import them, and one registers a JAX config option, which changes every jit
+    cache key: a user's jitted step traced before it would compile a second time."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    gpu_platform = not platforms or any(name in platforms for name in ("cuda", "gpu"))
+    has_plugin = any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "jax_cuda13_plugin",
+                                                                              "jax_cuda12_plugin"))
+    if gpu_platform and has_plugin:
         return
     for name in ("jax._src.pallas.mosaic.interpret.interpret_pallas_call", "jax._src.pallas.mosaic.interpret.params",
                  "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call",
