@@ -139,7 +139,9 @@ def decode_attention(
         indices to [0, num_pages), so no read leaves the cache, but a bad value gives a
         wrong result rather than an error.
       NotImplementedError: when the named backend cannot run the call; under
-        ``jax.grad`` with respect to q or the caches (the kernel has no gradient).
+        ``jax.grad`` with respect to q or the caches (the kernel has no gradient). Under
+        ``jax.jvp`` JAX itself raises (a TypeError: no forward-mode derivative of a
+        custom_vjp function). Under ``jax.lax.stop_gradient`` of its output the step runs.
     """
     cache, call, params = _prepare(
         q, k_cache, v_cache, kv_lengths, page_table=page_table, causal=causal, window=window, softcap=softcap,

@@ -475,9 +475,15 @@ def test_explain_decode():
 def test_gradient_raises(rng):
     cache = make_cache(rng, 1, 32, 1, F32)
     q = draw_q(rng, 1, 1, 2, F32)
-    loss = lambda q: flashjax.decode_attention(q, cache.k, cache.v, jnp.array([5], jnp.int32), backend="xla").sum()
+    lengths = jnp.array([5], jnp.int32)
+    decode = lambda q: flashjax.decode_attention(q, cache.k, cache.v, lengths, backend="xla")
     with pytest.raises(NotImplementedError, match="decode_attention is forward only.*flash_attention"):
-        jax.grad(loss)(q)
+        jax.grad(lambda q: decode(q).sum())(q)
+    # Under stop_gradient (a teacher's or a sampler's output inside a differentiated loss) the
+    # step runs and no gradient is asked of it.
+    w = jnp.float32(3.0)
+    grad = jax.grad(lambda w: w * jax.lax.stop_gradient(decode(q * w)).sum())(w)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jnp.sum(decode(q * w))), rtol=1e-6)
 
 
 def _call(**overrides) -> DecodeCall:
