@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -95,13 +96,18 @@ def flash_attention(
         float16's) mask their key. Its gradient is
         reduced over the axes it broadcasts along.
       mask: boolean, broadcastable to ``[batch, heads, q_len, kv_len]``; True = attend
-        (the convention of ``jax.nn.dot_product_attention`` and Flax).
+        (the convention of ``jax.nn.dot_product_attention`` and Flax). Broadcasting aligns
+        the trailing axes: a 3-D ``[batch, q_len, kv_len]`` mask is read as ``[heads,
+        q_len, kv_len]`` (an error unless batch == heads, a wrong mask if they are equal);
+        pass ``mask[:, None]``.
       segment_ids: int ``[batch, seq]`` (self-attention) or a pair
         ``([batch, q_len], [batch, kv_len])``: a query attends only keys of its own
         segment (packed sequences). Tiles that share no segment are skipped.
       q_lengths, kv_lengths: int ``[batch]``, right padding: keys at or past
         ``kv_lengths`` get no weight; query rows at or past ``q_lengths`` output 0,
-        with lse ``-inf`` and 0 gradient. Tiles past a length are not loaded.
+        with lse ``-inf`` and 0 gradient. Tiles past a length are not loaded. A length past
+        the sequence counts as the whole sequence and a negative one as none (unchecked:
+        lengths are usually traced).
       window: ``(left, right)`` sliding window: query ``i`` attends keys ``j`` with
         ``i' - left <= j <= i' + right``; ``None`` for an unbounded side; combine with
         ``causal=True`` for ``right = 0``. Tiles outside the band are skipped.
@@ -124,8 +130,8 @@ def flash_attention(
         with the other masks. Tiles it leaves empty are skipped: see ``block_mask``.
       block_mask: a `flashjax.BlockMask` from `flashjax.block_mask` (the tile pairs that
         ``mask_mod`` leaves empty, full or partial), to reuse across calls and layers;
-        without one the call builds it (one evaluation of ``mask_mod`` per score pair). It
-        carries its ``mask_mod``, so ``mask_mod`` may be omitted.
+        without one the call builds it (``mask_mod`` evaluated once per tile pair, on
+        intervals of positions). It carries its ``mask_mod``, so ``mask_mod`` may be omitted.
       sinks: float ``[heads]``: attention sinks (gpt-oss), a learned logit per head that
         joins the softmax denominator of every row and contributes no value;
         differentiable. Rows past ``q_lengths`` are padding and get no sink. Finite, or
@@ -218,6 +224,9 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` and ``backward_backend`` fields name them).
     """
+    unknown = sorted(set(options) - set(inspect.signature(flash_attention).parameters))
+    if unknown:
+        raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r} (it takes flash_attention's).")
     options.pop("return_lse", None)
     arrays = {name: value for name, value in options.items() if _is_array_like(value)}
     static = {name: value for name, value in options.items() if name not in arrays}

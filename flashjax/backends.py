@@ -168,6 +168,11 @@ class Choice:
         return "\n".join(lines)
 
 
+def _joined(reasons) -> str:
+    """Reasons as one clause list, for a sentence that goes on after it."""
+    return "; ".join(reasons).rstrip(".")
+
+
 def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
     """Picks the backends of a call.
 
@@ -189,7 +194,7 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
         reasons = chosen.supports(call)
         if reasons:
             raise NotImplementedError(
-                f"backend={backend!r} ({chosen.description}) cannot run this call: {'; '.join(reasons)}. "
+                f"backend={backend!r} ({chosen.description}) cannot run this call: {_joined(reasons)}. "
                 "Use backend='auto' to take the first backend that can."
             )
         passed = ()
@@ -229,7 +234,7 @@ def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -
         reasons = reasons_of(get(backend), auto=False)
         if reasons:
             raise NotImplementedError(
-                f"backend={backend!r} ({get(backend).description}) cannot run this decode call: {'; '.join(reasons)}. "
+                f"backend={backend!r} ({get(backend).description}) cannot run this decode call: {_joined(reasons)}. "
                 "Use backend='auto' to take the first backend that can."
             )
         return Choice(backend, "", None, None)
@@ -258,7 +263,7 @@ def _first(call, candidates, reasons_of):
         if not reasons:
             return backend, tuple(passed)
         passed.append((name, tuple(reasons)))
-    details = "; ".join(f"{name}: {', '.join(r)}" for name, r in passed)
+    details = "; ".join(f"{name}: {_joined(r)}" for name, r in passed)
     raise NotImplementedError(f"no backend can run this call ({details}).")
 
 

@@ -211,8 +211,11 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
 
 def _check_vector(name: str, x, size: int, axis: str, kind, what: str):
     """x of shape (size,) [axis] whose dtype is a `kind` (jnp.integer, jnp.floating), described as `what`."""
-    if not hasattr(x, "shape") or tuple(x.shape) != (size,):
-        raise ValueError(f"{name} must have shape ({size},) [{axis}], got {getattr(x, 'shape', type(x).__name__)}.")
+    if not hasattr(x, "shape"):
+        raise ValueError(f"{name} must be an array of shape ({size},) [{axis}], got a {type(x).__name__} "
+                         f"(pass jnp.asarray({name})).")
+    if tuple(x.shape) != (size,):
+        raise ValueError(f"{name} must have shape ({size},) [{axis}], got {x.shape}.")
     if not jnp.issubdtype(x.dtype, kind):
         raise ValueError(f"{name} must be {what}, got dtype {x.dtype}.")
 

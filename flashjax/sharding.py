@@ -45,8 +45,10 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
     """`flashjax.flash_attention` on batch- and/or head-sharded arrays, each device on its shard.
 
     Forward and backward run the kernels per shard with no all-gather of q, k or v.
-    Call it on global arrays, inside or outside ``jit``; arrays laid out
-    differently are resharded by XLA to the layout below.
+    Call it on global arrays, inside or outside ``jit`` (on a mesh of Explicit axes,
+    ``jax.make_mesh``'s default, differentiate under ``jit`` or ``jax.set_mesh``: JAX
+    refuses an eager ``grad`` there); arrays laid out differently are resharded by XLA
+    to the layout below.
 
     Example::
 

@@ -103,6 +103,8 @@ OPTION_ERRORS = [
     pytest.param(dict(segment_ids=jnp.zeros((B, T), jnp.float32)), "segment_ids", id="segments-float"),
     pytest.param(dict(q_lengths=jnp.zeros((B + 1,), jnp.int32)), "q_lengths", id="q-lengths-shape"),
     pytest.param(dict(kv_lengths=jnp.zeros((B,), jnp.float32)), "kv_lengths", id="kv-lengths-float"),
+    pytest.param(dict(kv_lengths=[T] * B), r"kv_lengths must be an array .* got a list \(pass jnp.asarray",
+                 id="kv-lengths-list"),
     pytest.param(dict(alibi_slopes=jnp.zeros((H + 1,))), "alibi_slopes", id="alibi-shape"),
     pytest.param(dict(alibi_slopes=jnp.ones((H,), jnp.int32)), "alibi_slopes must be a floating", id="alibi-int"),
 ]
@@ -329,6 +331,16 @@ def test_explain_takes_shapes_only():
     bias = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float32)
     choice = flashjax.explain(q, q, q, bias=bias, causal=True)
     assert choice.backend in backends.names()
+    # A keyword flash_attention does not take is refused by name, as flash_attention refuses it.
+    with pytest.raises(TypeError, match=r"explain\(\) got an unexpected keyword argument 'is_causal'"):
+        flashjax.explain(q, q, q, is_causal=True)
+
+
+def test_a_named_backend_that_cannot_run_the_call_says_why_in_one_sentence():
+    q = jnp.zeros((1, 16, 2, 16), jnp.float32)
+    with pytest.raises(NotImplementedError) as raised:
+        flashjax.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j: s + jnp.sum(q), backend="triton")
+    assert "close over them. Use backend='auto'" in str(raised.value) and ".." not in str(raised.value)
 
 
 def test_config_selects_its_backend(spies, monkeypatch):

@@ -62,7 +62,8 @@ def make_attention_fn(
         the mask there.
       softcap: logit soft-capping, as in `flashjax.flash_attention`.
       backend: ``"auto"``, ``"triton"``, ``"mosaic"`` or ``"xla"``.
-      config: a `flashjax.Config` for the kernels' tiling, or ``None``.
+      config: a `flashjax.TritonConfig` or `flashjax.MosaicConfig` for the named backend's
+        tiling, or ``None`` (the tuned default).
 
     Returns:
       A function ``f(query, key, value, *, bias, mask, ...)`` accepted as

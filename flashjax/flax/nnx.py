@@ -143,11 +143,11 @@ class FlashMultiHeadAttention(nnx.Module):
           deterministic: disables dropout; overrides the attribute.
           rngs: `nnx.Rngs` or a stream for dropout; defaults to ``self.rngs``.
           decode: new positions ``[batch..., steps, features]`` through the KV cache
-            (one token per step, or a prompt chunk at once; ``init_cache`` first; a mask,
+            (``init_cache`` first; one token per step, or a prompt chunk at once; a mask,
             bias or dropout allows one position per call). Without a mask, bias or
             dropout this is `flashjax.decode_attention` (split-KV over the cache, read in
-            place in its dtype: ``init_cache(..., dtype=)`` with the compute dtype);
-            (``init_cache`` first); overrides the attribute.
+            place in its dtype: give ``init_cache(..., dtype=)`` the compute dtype).
+            Overrides the attribute.
           is_causal: `nnx.MultiHeadAttention`'s flag, aligned to the top left (query ``i``
             attends keys ``j <= i``), joined to ``mask``; the ``causal`` attribute is the
             kernels' own causal mask (aligned to the bottom right, tiles skipped), the
