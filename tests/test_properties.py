@@ -736,6 +736,39 @@ def test_row_of_minus_inf_logits_is_a_row_without_keys(backend, seq_q, seq_k):
     assert np.isnan(dk[..., 0]).all() and np.isfinite(dk[..., 1:]).all()
 
 
+@pytest.mark.parametrize("emptied_by", ["score_mod", "bias"])
+@pytest.mark.parametrize("backend", CHECKED_BACKENDS)
+def test_a_nan_lse_cotangent_on_rows_without_keys_stays_there(backend, emptied_by):
+    """Rows 0 and 1 have every logit -inf (a score_mod's, a bias's: the kernels see them as
+    ordinary rows), and the loss reads the lse through ``where(isfinite(lse), sin(lse), 0)``,
+    whose cotangent on those rows is 0 * cos(-inf) = NaN. The lse and output there are
+    constants: gradients as the reference's, finite (found by an audit: the Triton backward
+    spread the NaN to every dk through 0 * NaN)."""
+    dtype = jnp.bfloat16 if backend == "mosaic" else jnp.float32
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 64)), dtype) for _ in range(3))
+    if emptied_by == "score_mod":
+        options = dict(score_mod=lambda s, b, h, i, j: jnp.where(i < 2, -jnp.inf, s))
+    else:
+        options = dict(bias=jnp.where(jnp.arange(40)[:, None] < 2, -jnp.inf, jnp.zeros((40, 40), jnp.float32)))
+
+    def loss(attention, q, k, v):
+        o, lse = attention(q, k, v, return_lse=True, **options)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), jnp.sin(lse), 0.0))
+
+    kernels = functools.partial(flashjax.flash_attention, backend=backend)
+    up = lambda a: a.astype(jnp.float32)
+    reference = lambda q, k, v, **kw: flashjax.reference.attention(up(q), up(k), up(v), **kw)
+    got = jax.grad(functools.partial(loss, kernels), argnums=(0, 1, 2))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(q, k, v)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_array_equal(g[0, :2] if name == "dq" else 0.0, 0.0)
+        np.testing.assert_allclose(g, w, rtol=tolerance(dtype), atol=tolerance(dtype), err_msg=name)
+
+
 # Found by test_nan_and_inf_rows_match_jax_nn (thorough profile): NaN logits on a row past
 # q_lengths, from a NaN/inf in that row's q or in any key. The Triton forward computes padded
 # rows like the others and scales their accumulator by 0 (NaN * 0 = NaN) instead of selecting

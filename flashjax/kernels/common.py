@@ -49,12 +49,16 @@ def backward_rows(o, do, lse, dlse, q_len: int):
     delta_i = sum_j P_ij dP_ij = rowsum(dO * O); subtracting the lse cotangent adds
     its path (d lse / d S = P) to dS = P * (dP - delta) for free. lse2 is the base-2
     logsumexp; rows that see no key (lse = -inf) and padded rows get +inf, so that
-    P = exp2(S - lse2) = 0 there.
+    P = exp2(S - lse2) = 0 there. Such a row's delta is 0: its output and lse are constants,
+    and a non-finite cotangent there (d/d lse of ``where(isfinite(lse), f(lse), 0)`` is
+    0 * f'(-inf), NaN for sin) would otherwise reach every key through 0 * NaN.
     """
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    empty = lse == -jnp.inf
+    delta = jnp.where(empty, 0.0, delta)
+    lse2 = jnp.where(empty, jnp.inf, lse * LOG2E)
     rows = ((0, 0), (0, 0), (0, q_len - lse.shape[2]))
     return jnp.pad(lse2, rows, constant_values=jnp.inf), jnp.pad(delta, rows)
 
