@@ -168,9 +168,9 @@ class Choice:
         return "\n".join(lines)
 
 
-def _joined(reasons) -> str:
+def _joined(reasons, separator: str = "; ") -> str:
     """Reasons as one clause list, for a sentence that goes on after it."""
-    return "; ".join(reasons).rstrip(".")
+    return separator.join(reasons).rstrip(".")
 
 
 def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
@@ -263,7 +263,7 @@ def _first(call, candidates, reasons_of):
         if not reasons:
             return backend, tuple(passed)
         passed.append((name, tuple(reasons)))
-    details = "; ".join(f"{name}: {_joined(r)}" for name, r in passed)
+    details = "; ".join(f"{name}: {_joined(r, ', ')}" for name, r in passed)
     raise NotImplementedError(f"no backend can run this call ({details}).")
 
 
