@@ -482,6 +482,31 @@ def test_make_attention_fn_options(key, assert_close):
         assert_close(got, want, jnp.float32, str(fn.keywords), tol=OUT_TOL)
 
 
+def test_models_built_alike_share_a_compiled_step(key):
+    """Each model built with its own make_attention_fn(...) of the same options keys the
+    jitted step alike (Flax keeps attention_fn as a static attribute): one trace for three
+    models; other options trace again."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    traces = []
+
+    @nnx.jit
+    def step(model, x):
+        traces.append(1)
+        return model(x)
+
+    def build(**options):
+        return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(0),
+                                      attention_fn=flashjax.flax.make_attention_fn(**options))
+
+    for _ in range(3):
+        step(build(causal=True), x)
+    assert len(traces) == 1
+    step(build(causal=False), x)
+    assert len(traces) == 2
+    assert flashjax.flax.make_attention_fn(window=(2, 0)) == flashjax.flax.make_attention_fn(window=(2, 0))
+    assert flashjax.flax.make_attention_fn(window=(2, 0)) != flashjax.flax.make_attention_fn(window=(3, 0))
+
+
 def test_window_in_flax_cache_decoding_raises(key):
     """make_attention_fn(window=) aligns the window to the arrays' ends: right for a full
     sequence, wrong for Flax's KV-cache decoding (the query sits at the cache index, which
@@ -496,6 +521,67 @@ def test_window_in_flax_cache_decoding_raises(key):
     layer.init_cache(x.shape)
     with pytest.raises(ValueError, match="KV-cache decoding"):
         layer(x[:, :1], decode=True)
+
+
+def test_nnx_view_sets_eval_and_decode_modes(key):
+    """`nnx.view`, Flax's way to switch a model to eval or decode mode, reaches the module
+    (its `set_view`, as nnx.MultiHeadAttention's): deterministic=True turns dropout off in a
+    block beside an nnx.Dropout, and decode=True with batch_size and max_length allocates the
+    cache, whose token-by-token outputs are the causal forward's."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attention = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, causal=True,
+                                                            dropout_rate=0.5, deterministic=False, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, deterministic=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.attention(x))
+
+    block = Block(nnx.Rngs(0))
+    evaluated = nnx.view(block, deterministic=True)
+    assert evaluated.attention.deterministic and not block.attention.deterministic
+    np.testing.assert_array_equal(np.asarray(evaluated(x)), np.asarray(evaluated(x)))
+    np.testing.assert_allclose(np.asarray(evaluated(x)), np.asarray(block.attention(x, deterministic=True)),
+                               rtol=1e-6, atol=1e-6)
+    # A model whose only viewable module is ours: no "Unused keys".
+    alone = nnx.view(block.attention, deterministic=True)
+    assert alone.deterministic
+
+    decoding = nnx.view(block.attention, decode=True, batch_size=2, max_length=SEQ, deterministic=True)
+    assert decoding.cached_key.shape == (2, SEQ, HEADS, FEATURES // HEADS) and block.attention.cached_key is None
+    steps = jnp.concatenate([decoding(x[:, t:t + 1]) for t in range(SEQ)], axis=1)
+    np.testing.assert_allclose(np.asarray(steps), np.asarray(block.attention(x, deterministic=True)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="batch_size and max_length"):
+        nnx.view(block.attention, decode=True)
+
+
+def test_nnx_module_takes_multi_head_attentions_initialisers_and_metadata(key):
+    """The output projection's own initialisers and every projection's metadata (sharding
+    names), as nnx.MultiHeadAttention takes them: the same parameters, the same metadata;
+    the call takes out_sharding / qkv_sharding, and input_positions (RoPE inside Flax's
+    attention_fn) only as None."""
+    init = nnx.initializers.lecun_normal()
+    options = dict(num_heads=HEADS, in_features=FEATURES, out_kernel_init=nnx.initializers.normal(0.3),
+                   out_bias_init=nnx.initializers.ones, kernel_metadata={"out_sharding": (None, "model", None)},
+                   out_kernel_metadata={"out_sharding": ("model", None, None)}, kernel_init=init)
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        ours = fj_nnx.FlashMultiHeadAttention(rngs=nnx.Rngs(0), **options)
+        theirs = nnx.MultiHeadAttention(decode=False, rngs=nnx.Rngs(0), **options)
+    for name in ("query", "key", "value", "out"):
+        for param in ("kernel", "bias"):
+            a, b = getattr(getattr(ours, name), param), getattr(getattr(theirs, name), param)
+            np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=f"{name}.{param}")
+            assert a.get_metadata().get("out_sharding") == b.get_metadata().get("out_sharding"), (name, param)
+    assert ours.out.kernel.get_metadata()["out_sharding"] == ("model", None, None)
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    got = ours(x, out_sharding=None, qkv_sharding=None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(theirs(x)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="input_positions"):
+        ours(x, input_positions=jnp.arange(SEQ))
 
 
 def test_nnx_call_takes_multi_head_attentions_keywords(key):
@@ -513,3 +599,12 @@ def test_nnx_call_takes_multi_head_attentions_keywords(key):
         ours(x, sow_weights=True)
     with pytest.raises(ValueError, match="in_features=32"):
         ours(x[..., :16])
+    # A mask that does not fit names itself and the shape the user passed, in our module and
+    # through attention_fn in Flax's.
+    drop_in = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False, rngs=nnx.Rngs(0),
+                                     attention_fn=flashjax.flax.attention_fn)
+    for mask in (jnp.ones((3, 1, SEQ, SEQ), bool), jnp.ones((2, SEQ + 1), bool)):
+        for module in (ours, drop_in):
+            with pytest.raises(ValueError, match=rf"mask of shape \({mask.shape[0]}, .* not broadcastable"):
+                module(x, mask=mask)
+    assert drop_in(x, mask=jnp.ones((2, 1, SEQ, SEQ), bool)).shape == x.shape

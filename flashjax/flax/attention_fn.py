@@ -69,9 +69,23 @@ def make_attention_fn(
       A function ``f(query, key, value, *, bias, mask, ...)`` accepted as
       ``attention_fn`` by linen and nnx; see `attention_fn` for its arguments.
     """
-    return functools.partial(
-        _attention_fn, causal=causal, window=window, softcap=softcap, backend=backend, config=config
-    )
+    return _Options(_attention_fn, causal=causal, window=window, softcap=softcap, backend=backend, config=config)
+
+
+class _Options(functools.partial):
+    """`make_attention_fn`'s result: a partial that equals (and hashes as) any other with the
+    same options. Flax keeps attention_fn as a static attribute of the module, part of jit's
+    cache key: a plain partial is equal only to itself, so each model built with its own
+    `make_attention_fn(...)` would trace its jitted step again."""
+
+    def _key(self):
+        return self.func, self.args, tuple(sorted(self.keywords.items()))
+
+    def __eq__(self, other):
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
 
 def _attention_fn(
@@ -242,7 +256,11 @@ def _pair_to_4d(name, x, batch_dims, heads, seq_q, seq_k):
     rank = len(batch_dims) + 3
     if x.ndim > rank:
         raise ValueError(f"{name} of shape {x.shape} has more dims than [batch..., heads, q_len, kv_len] ({rank}).")
+    given = x.shape
     x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+    full = (*batch_dims, heads, seq_q, seq_k)
+    if any(d not in (1, want) for d, want in zip(x.shape, full)):
+        raise ValueError(f"{name} of shape {given} is not broadcastable to [batch..., heads, q_len, kv_len] = {full}.")
     lead = x.shape[: len(batch_dims)]
     if all(d == 1 for d in lead):
         return x.reshape((1,) + x.shape[len(batch_dims):])

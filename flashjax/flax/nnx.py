@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax.numpy as jnp
@@ -43,6 +45,11 @@ class FlashMultiHeadAttention(nnx.Module):
       qk_norm: RMSNorm over ``head_dim`` on queries and keys (``query_norm``,
         ``key_norm``; created after ``out`` so the projections' init is unchanged).
       dtype, param_dtype, kernel_init, bias_init, use_bias: as in Flax.
+      out_kernel_init, out_bias_init: the output projection's initialisers (default: kernel_init,
+        bias_init), as in Flax.
+      kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata: the
+        projections' parameter metadata (e.g. ``sharding_names``), as in Flax: the output
+        projection's default to the others'.
       decode: default for the call's ``decode``.
       backend, config: forwarded to `flashjax.flash_attention`.
       rngs: `nnx.Rngs` for the initialisers (and dropout, kept as ``self.rngs``).
@@ -66,12 +73,18 @@ class FlashMultiHeadAttention(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         kernel_init: Any = nnx.nn.linear.default_kernel_init,
+        out_kernel_init: Any = None,
         bias_init: Any = nnx.initializers.zeros_init(),
+        out_bias_init: Any = None,
         use_bias: bool = True,
         decode: bool = False,
         backend: str = "auto",
         config: Any = None,
         rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -90,16 +103,19 @@ class FlashMultiHeadAttention(nnx.Module):
         self.config = config
 
         def linear(in_features, out_features, **kw):
-            return nnx.LinearGeneral(
-                in_features, out_features, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-                bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kw,
-            )
+            kw = dict(dict(kernel_init=kernel_init, bias_init=bias_init, kernel_metadata=kernel_metadata,
+                           bias_metadata=bias_metadata), **kw)
+            return nnx.LinearGeneral(in_features, out_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
+                                     rngs=rngs, **kw)
 
         kv_in = in_kv_features or in_features
         self.query = linear(in_features, (num_heads, self.head_dim))
         self.key = linear(kv_in, (self.num_kv_heads, self.head_dim))
         self.value = linear(kv_in, (self.num_kv_heads, self.head_dim))
-        self.out = linear((num_heads, self.head_dim), self.out_features, axis=(-2, -1))
+        self.out = linear((num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+                          kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+                          kernel_metadata=out_kernel_metadata or kernel_metadata,
+                          bias_metadata=out_bias_metadata or bias_metadata)
         if qk_norm:
             self.query_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             self.key_norm = nnx.RMSNorm(self.head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -129,9 +145,27 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, dtype=jnp.int32))
 
+    def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+                 batch_size: int | tuple[int, ...] | None = None, max_length: int | None = None):
+        """Used by ``nnx.view`` (as `flax.nnx.MultiHeadAttention.set_view`): sets the
+        ``deterministic`` and ``decode`` attributes; switching to decode without a cache
+        allocates one (`init_cache`) of ``batch_size`` x ``max_length`` positions, in the
+        module's ``dtype`` (``param_dtype`` if None), so both must be given then."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+        if decode is not None:
+            self.decode = decode
+            if decode and self.cached_key is None:
+                if batch_size is None or max_length is None:
+                    raise TypeError("nnx.view(decode=True) allocates the KV cache: pass batch_size and max_length "
+                                    "(or call init_cache first).")
+                batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+                self.init_cache((*batch, max_length, self.in_features),
+                                self.dtype if self.dtype is not None else self.param_dtype)
+
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
                  deterministic: bool | None = None, rngs=None, decode: bool | None = None, is_causal: bool = False,
-                 sow_weights: bool = False):
+                 sow_weights: bool = False, out_sharding=None, qkv_sharding=None, input_positions=None):
         """Attention of ``inputs_q`` over ``inputs_k``/``inputs_v`` (self-attention if omitted).
 
         Args:
@@ -153,6 +187,10 @@ class FlashMultiHeadAttention(nnx.Module):
             kernels' own causal mask (aligned to the bottom right, tiles skipped), the
             same where the lengths are equal. Not with ``decode``.
           sow_weights: accepted as False only: the weights are never materialised.
+          out_sharding, qkv_sharding: the output's and the projected q/k/v's sharding, passed
+            to the projections, as in Flax.
+          input_positions: accepted as None only: Flax forwards it to an ``attention_fn``
+            that applies RoPE; apply RoPE in the model before this module.
 
         Returns:
           ``[batch..., q_len, out_features]``.
@@ -160,11 +198,15 @@ class FlashMultiHeadAttention(nnx.Module):
         if sow_weights:
             raise NotImplementedError("flashjax never materialises the attention weights, so they cannot be sown "
                                       "(sow_weights=True); use nnx.MultiHeadAttention for the layers to inspect.")
+        if input_positions is not None:
+            raise NotImplementedError("input_positions (RoPE inside Flax's attention_fn) is not taken: apply the "
+                                      "rotary embedding to the inputs before this module.")
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(f"inputs_q has {inputs_q.shape[-1]} features, the module was built with in_features="
                              f"{self.in_features}.")
         inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
-        query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+        project = lambda layer, x: layer(x, out_sharding=qkv_sharding)
+        query, key, value = project(self.query, inputs_q), project(self.key, inputs_k), project(self.value, inputs_v)
         if self.qk_norm:
             query, key = self.query_norm(query), self.key_norm(key)
 
@@ -194,4 +236,4 @@ class FlashMultiHeadAttention(nnx.Module):
                           deterministic=deterministic, cache=cache, is_causal=is_causal)
         if cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = cache[:3]
-        return self.out(x)
+        return self.out(x, out_sharding=out_sharding)
