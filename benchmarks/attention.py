@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     device = jax.devices()[0].device_kind
-    path = results_path(RESULTS_DIR, args.out, device)
+    path = results_path(RESULTS_DIR, args.out, device, smoke=args.smoke)
     results = {"cells": {}} if args.fresh else load_results(path)
     import flashjax
 

@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     import flashjax
 
     device = device_name()
-    path = results_path(RESULTS_DIR, args.out, device, prefix="decode-")
+    path = results_path(RESULTS_DIR, args.out, device, prefix="decode-", smoke=args.smoke)
     results = {"cells": {}} if args.fresh else load_results(path)
     hbm = hbm_bandwidth(device)
     results.update(

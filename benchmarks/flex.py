@@ -915,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     device = benchmark.device_name()
-    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="flex-")
+    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="flex-", smoke=args.smoke)
     results = {"cells": {}} if args.fresh else benchmark.load_results(path)
     results.update(
         device=device, platform=jax.default_backend(), jax=jax.__version__, flashjax=flashjax.__version__,

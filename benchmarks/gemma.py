@@ -19,7 +19,7 @@ Each (variant, T) runs in its own process, so peak memory
 out-of-memory is a result (``"oom"``), not a crash. Tokens/s is ``batch * T``
 over the median of ``--steps`` timed steps after ``--warmup`` untimed ones (the
 first compiles). Prints a table and writes ``benchmarks/results/gemma-<device>.json``
-(``--smoke``: ``gemma-smoke-<device>.json``; ``--out`` to choose).
+(``--smoke``: under the system's temporary directory, ``flashjax-smoke/``; ``--out`` to choose).
 
 The example's code comes from the Flax sdist in ``${FLASHJAX_CACHE:-~/.cache/flashjax}``
 (see examples/flax_sdist.py). On a machine without network, fetch it where pip
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
             rows.append(run_one(variant, seq, args))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     device = next((r["device"] for r in rows if "device" in r), "unknown")
-    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix=f"gemma{'-smoke' if args.smoke else ''}-")
+    path = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="gemma-", smoke=args.smoke)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"device": device, "date": datetime.date.today().isoformat(),
               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION),

@@ -148,7 +148,7 @@ def main(argv=None):
         device=device, devices=n, jax=jax.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
         nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"], wall_seconds=time.perf_counter() - start, entries=entries,
     )
-    out = benchmark.results_path(RESULTS_DIR, args.out, f"{device} x{n}", prefix="ring-")
+    out = benchmark.results_path(RESULTS_DIR, args.out, f"{device} x{n}", prefix="ring-", smoke=args.smoke)
     benchmark.save_results(out, report)
     print()
     print(_table(entries, n))

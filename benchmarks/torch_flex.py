@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = flex.sizes_of(args)
     done = set()
     if args.resume:  # the parent's results file, named by the same device name
-        path = benchmark.results_path(flex.RESULTS_DIR, args.out, device, prefix="flex-")
+        path = benchmark.results_path(flex.RESULTS_DIR, args.out, device, prefix="flex-", smoke=args.smoke)
         done = {k for k, e in benchmark.load_results(path)["cells"].items() if e.get("status") == "ok"}
     entries = {}
     cache = Inputs(torch)

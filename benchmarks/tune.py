@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             note = f"benchmarks/tune.py --backend {args.backend}, {date}, T in {seqs}, causal in {causal}"
             tuning.write_entry(table, device, head_dim, fields, note)
     out = benchmark.results_path(RESULTS_DIR, args.out, device,
-                                 prefix="tuning-mosaic-" if args.backend == "mosaic" else "tuning-")
+                                 prefix="tuning-mosaic-" if args.backend == "mosaic" else "tuning-", smoke=args.smoke)
     append_report(out, report)
     where = f"table: {table} ({tuning.device_slug(device)})" if table else "no GPU: no table written (--table PATH writes one)"
     print(f"# {device}, {time.perf_counter() - start:.0f} s; {where}\nresults: {out}")

@@ -336,7 +336,7 @@ def main(argv=None):
     checker = VariantChecker()
     print(header())
     selected = cases(args.quick, args.smoke, args.only)
-    out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-")
+    out = benchmark.results_path(RESULTS_DIR, args.out, device, prefix="variants-", smoke=args.smoke)
     today = datetime.date.today().isoformat()
     # With --merge, the file's rows in their order: a row measured now replaces the cells of
     # the implementations measured (each with its date), keeping the others; new rows follow.

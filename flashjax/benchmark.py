@@ -35,6 +35,7 @@ import datetime
 import json
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -253,11 +254,17 @@ class Checker:
 
 
 # ---- results files --------------------------------------------------------------------------
-def results_path(results_dir: Path, out: str | None, device: str, prefix: str = "") -> Path:
-    """``out`` (a .json file or a directory) or ``results_dir``, with ``<prefix><device slug>.json``."""
+SMOKE_DIR = Path(tempfile.gettempdir()) / "flashjax-smoke"
+
+
+def results_path(results_dir: Path, out: str | None, device: str, prefix: str = "", smoke: bool = False) -> Path:
+    """``out`` (a .json file or a directory) or ``results_dir``, with ``<prefix><device slug>.json``.
+    A smoke run without ``out`` writes to ``SMOKE_DIR`` (under the system's temporary
+    directory): its tiny cells must not merge into the committed results, which the README's
+    tables are built from."""
     name = f"{prefix}{device_slug(device)}.json"
     if out is None:
-        return Path(results_dir) / name
+        return (SMOKE_DIR if smoke else Path(results_dir)) / name
     path = Path(out)
     return path if path.suffix == ".json" else path / name
 

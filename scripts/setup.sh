@@ -6,8 +6,9 @@
 #             (an NVIDIA GPU with its driver) gpu is added: JAX's CUDA 13 plugin.
 #   default   .venv with the JAX/Flax pinned in constraints.txt. If a Python found here already
 #             has exactly those versions (and, on a GPU machine, the CUDA plugin), .venv reuses
-#             its packages through a .pth file and nothing is downloaded (machines without a
-#             network); extras it lacks are listed, not installed.
+#             its packages through a .pth file and JAX/Flax are not downloaded (machines without
+#             a network); what the extras need and it lacks is installed where pip can reach an
+#             index, else listed.
 #   --latest  .venv-latest with the newest JAX/Flax that pip resolves inside pyproject's ranges.
 # The Python: $FLASHJAX_PYTHON if set; else the first >= 3.12 of python3.12, python3.13,
 # python3.14, python3, python on PATH and pyenv's installed versions, preferring one that
@@ -118,9 +119,11 @@ if [ -f "$site_dir/flashjax-reuse-base.pth" ]; then
     printf '#!%s\nimport sys\nfrom flashjax.cli import main\nsys.exit(main())\n' "$(pwd)/$venv/bin/python" > "$venv/bin/flashjax"
     chmod +x "$venv/bin/flashjax"
   fi
-  # What pyproject asks for (with the extras) and this environment lacks is listed, not
-  # downloaded; the tests that need a missing package skip themselves.
-  "$venv/bin/python" - "$extras" "$venv" <<'EOF'
+  # What pyproject asks for (with the extras) and this environment lacks is installed where pip
+  # reaches an index (one quick try: a machine without a network fails at once), else listed;
+  # the tests that need a missing package then skip themselves.
+  missing_file="$(mktemp)"
+  "$venv/bin/python" - "$extras" "$missing_file" <<'EOF'
 import importlib.metadata as md, sys, tomllib
 from pip._vendor.packaging.requirements import Requirement
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
@@ -138,14 +141,22 @@ for r in map(Requirement, wanted):
     try:
         version = md.version(r.name)
     except md.PackageNotFoundError:
-        missing[r.name] = r.name
+        missing[r.name] = str(r)
         continue
     if not r.specifier.contains(version, prereleases=True):
-        missing[r.name] = f"{r.name} {version} (wants {r.specifier})"
-if missing:
-    print("setup: missing here, not downloaded:", ", ".join(sorted(missing.values())),
-          f"(with a network: {sys.argv[2]}/bin/python -m pip install -c constraints.txt {' '.join(sorted(missing))})")
+        missing[r.name] = str(r)
+with open(sys.argv[2], "w") as out:
+    out.writelines(f"{requirement}\n" for requirement in sorted(missing.values()))
 EOF
+  if [ -s "$missing_file" ]; then
+    mapfile -t missing < "$missing_file"
+    echo "setup: installing what the extras need and this Python lacks: ${missing[*]}"
+    if ! venv_pip install -q --retries 0 --timeout 10 -c constraints.txt "${missing[@]}"; then
+      echo "setup: could not install them (no network?); tests that need them skip themselves" \
+        "(with a network: $venv/bin/python -m pip install -c constraints.txt ${missing[*]})"
+    fi
+  fi
+  rm -f "$missing_file"
 elif [ "$latest" = 1 ]; then
   echo "setup: $venv $from: pip installs $label with the newest JAX/Flax inside pyproject's ranges"
   venv_pip install -q --upgrade pip

@@ -67,6 +67,21 @@ def test_bench_ab_smoke(tmp_path, capsys):
             bench.main(["--smoke", "--quiet", "--impls", "flashjax", *bad])
 
 
+def test_smoke_runs_never_write_the_committed_results():
+    """Without --out a smoke run's tiny cells go under the system's temporary directory, not
+    into benchmarks/results (whose files the README's tables are built from): every script's
+    results path passes its smoke flag."""
+    results = BENCHMARKS / "results"
+    assert benchmark.results_path(results, None, "cpu", prefix="ring-", smoke=True).parent == benchmark.SMOKE_DIR
+    assert benchmark.results_path(results, None, "cpu", prefix="ring-").parent == results
+    assert benchmark.results_path(results, "/x/y.json", "cpu", smoke=True) == Path("/x/y.json")
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        if '"--smoke"' not in script.read_text():
+            continue
+        for call in script.read_text().split("results_path(")[1:]:
+            assert "smoke=args.smoke" in call.split("\n")[0] + call.split("\n")[1], script.name
+
+
 def test_tune_smoke(tmp_path):
     """tune.py --smoke: candidates searched, the winners written into a copy of the Triton table."""
     table = tmp_path / "tuned.json"
