@@ -493,8 +493,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     `prog`: the command name shown in --help (``flashjax bench`` runs this main).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     if args.smoke:
+        ignored = [f"--{name}" for name in ("configs", "seqlens", "tokens") if getattr(args, name) != parser.get_default(name)]
+        if ignored:
+            parser.error(f"--smoke runs its own tiny problem: {', '.join(ignored)} would be ignored")
         args.reps = min(args.reps, 2)
     start = time.perf_counter()
     cells = plan(args)
@@ -508,6 +512,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if torch_wanted(args):
         print("PyTorch FlashAttention-2 (subprocess) ...", flush=True)
         torch_cells, torch_note = run_torch(strip_torch_flags(argv), budget_s=args.budget_s * 0.15)
+        if not torch_cells:  # the subprocess failed: its cells are recorded as such, with the reason
+            torch_cells = {c.key: record(c, "error", error=torch_note) for c in cells if c.impl == "torch_fa2"}
     cells = [c for c in cells if c.impl != "torch_fa2"]
 
     import jax

@@ -12,7 +12,8 @@ took ~4 minutes on 4 H100s).
     python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|properties|multigpu|all] [-n WORKERS] [extra pytest args]
 
 Each pytest worker gets a slice of GPU memory instead of JAX's default 75%; a test that
-hangs is stopped after --timeout seconds (its worker restarts) instead of stalling the run.
+hangs is stopped after --timeout seconds (its worker restarts) instead of stalling the run,
+where pytest-timeout is installed (else --timeout does nothing, and the run says so).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
         cmd[3:3] = ["-n", str(args.workers)]
     if _has_plugin("pytest_timeout"):
         cmd[3:3] = [f"--timeout={args.timeout}", "--timeout-method=thread"]
+    else:
+        print(f"gpu_check: pytest-timeout is not installed: --timeout {args.timeout} has no effect", file=sys.stderr)
     if _has_plugin("pytest_benchmark"):
         cmd[3:3] = ["-p", "no:benchmark"]  # its warning per xdist worker buries the output
     print(" ".join(cmd), flush=True)

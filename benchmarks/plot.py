@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashjax.benchmark import load_results as load  # noqa: E402  (the results files of flashjax/benchmark.py)
+from flashjax.tuning import device_slug  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Files of other benchmarks, with formats of their own (tables below, no plots).
@@ -382,8 +383,12 @@ def readme_sections(results_file: Path, config: str) -> dict[str, str]:
         path = same_device if same_device.exists() else newest(prefix)
         if path is not None:
             sections[name] = render(load(path))
-    # One ring table per machine measured (2 GPUs, 4 GPUs, ...), fewest GPUs first.
-    rings = sorted((load(p) for p in RESULTS_DIR.glob("ring-*.json")), key=lambda r: (r["devices"], r["device"]))
+    # One ring table per machine measured (2 GPUs, 4 GPUs, ...), fewest GPUs first: the file
+    # ring.py writes by default for it (other files, e.g. dated ones, hold separate runs).
+    loaded = [(path, load(path)) for path in sorted(RESULTS_DIR.glob("ring-*.json"))]
+    default_name = lambda ring: f"ring-{device_slug(f'{ring['device']} x{ring['devices']}')}.json"
+    rings = sorted((ring for path, ring in loaded if "devices" in ring and path.name == default_name(ring)),
+                   key=lambda r: (r["devices"], r["device"]))
     if rings:
         sections["ring"] = "\n\n".join(ring_markdown(r) for r in rings)
     return sections

@@ -12,6 +12,7 @@ float32_residual=True (the backward's delta = rowsum(dO * O) from the unrounded 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def errors(dtype, logit: float, seed: int) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # --help; no options
     lines = ["| dtype | max logit | " + " | ".join(f"{name}: dq / dk / dv" for name in VARIANTS) + " |",
              "|---|---|" + "---|" * len(VARIANTS)]
     for dtype in (jnp.bfloat16, jnp.float16):

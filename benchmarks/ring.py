@@ -189,11 +189,11 @@ def _table(entries, n) -> str:
     lines = [f"| T | causal | mode | 1 GPU ms | 1 GPU TF/s | ring x{n} ms | ring TF/s/GPU | speed-up | efficiency |",
              "|---|---|---|---|---|---|---|---|---|"]
     for single, ring in zip(entries[0::2], entries[1::2]):
-        cell = lambda e, k, f: f.format(e[k]) if k in e else e.get("status", "-")
+        cell = lambda e, k, f, unit=1: f.format(e[k] * unit) if k in e else e.get("status", "-")
         lines.append(
             f"| {single['seq']} | {'yes' if single['causal'] else 'no'} | {single['mode']} | "
-            f"{cell(single, 'seconds', '{:.4f}')} | {cell(single, 'tflops_per_gpu', '{:.0f}')} | "
-            f"{cell(ring, 'seconds', '{:.4f}')} | {cell(ring, 'tflops_per_gpu', '{:.0f}')} | "
+            f"{cell(single, 'seconds', '{:.2f}', 1e3)} | {cell(single, 'tflops_per_gpu', '{:.0f}')} | "
+            f"{cell(ring, 'seconds', '{:.2f}', 1e3)} | {cell(ring, 'tflops_per_gpu', '{:.0f}')} | "
             f"{cell(ring, 'speedup', '{:.2f}x')} | {cell(ring, 'efficiency', '{:.0%}')} |"
         )
     return "\n".join(lines)

@@ -16,6 +16,7 @@ Also a script: ``python examples/flax_sdist.py`` prints the path (downloading if
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import os
@@ -116,4 +117,6 @@ def flax_sdist(version: str | None = None, *, timeout: float = 600.0) -> Path:
 
 
 if __name__ == "__main__":
-    print(flax_sdist(sys.argv[1] if len(sys.argv) > 1 else None))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("version", nargs="?", default=None, help="a Flax version (default: the installed one)")
+    print(flax_sdist(parser.parse_args().version))

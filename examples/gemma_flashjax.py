@@ -55,6 +55,7 @@ original and the flashjax model on a padded batch.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 from pathlib import Path
@@ -288,4 +289,6 @@ def _demo():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description="Flax's Gemma example with flashjax attention: a tiny model's logits "
+                                        "against the original's (no options).").parse_args()
     _demo()

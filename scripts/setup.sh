@@ -91,7 +91,14 @@ if [ ! -x "$venv/bin/python" ]; then
       break
     fi
   done < <(find_pythons)
-  [ -n "$py" ] || { echo "setup: flashjax needs Python >= 3.12; none found on PATH or in pyenv" >&2; exit 1; }
+  if [ -z "$py" ]; then
+    if [ -n "${FLASHJAX_PYTHON:-}" ]; then
+      echo "setup: FLASHJAX_PYTHON=$FLASHJAX_PYTHON is not a Python >= 3.12 (or not found); unset it to search PATH and pyenv" >&2
+    else
+      echo "setup: flashjax needs Python >= 3.12; none found on PATH or in pyenv" >&2
+    fi
+    exit 1
+  fi
   [ -z "$reuse" ] || py="$reuse"
   "$py" -m venv "$venv" || { rm -rf "$venv"; exit 1; }
   site_dir="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"

@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers="${FLASHJAX_TEST_WORKERS:-2}"
+# On a GPU each pytest worker would take 75% of its memory up front (JAX's default): allocate on demand.
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 if [ "${1:-}" = "--latest" ]; then
   shift
   bash scripts/setup.sh --latest test

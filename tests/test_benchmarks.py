@@ -82,6 +82,16 @@ def test_smoke_runs_never_write_the_committed_results():
             assert "smoke=args.smoke" in call.split("\n")[0] + call.split("\n")[1], script.name
 
 
+def test_readme_tables_are_those_the_committed_results_give(tmp_path):
+    """plot.py --readme rebuilds the README's generated tables from benchmarks/results: on the
+    committed files it changes nothing (a separate run's file, e.g. a dated ring run, stays
+    out of the tables)."""
+    copy = tmp_path / "README.md"
+    copy.write_text((BENCHMARKS.parent / "README.md").read_text())
+    assert _script("plot").main(["--readme", str(copy)]) == 0
+    assert copy.read_text() == (BENCHMARKS.parent / "README.md").read_text()
+
+
 def test_tune_smoke(tmp_path):
     """tune.py --smoke: candidates searched, the winners written into a copy of the Triton table."""
     table = tmp_path / "tuned.json"
