@@ -750,7 +750,7 @@ def test_a_nan_lse_cotangent_on_rows_without_keys_stays_there(backend, emptied_b
     if emptied_by == "score_mod":
         options = dict(score_mod=lambda s, b, h, i, j: jnp.where(i < 2, -jnp.inf, s))
     else:
-        options = dict(bias=jnp.where(jnp.arange(40)[:, None] < 2, -jnp.inf, jnp.zeros((40, 40), jnp.float32)))
+        options = dict(bias=jnp.where(jnp.arange(40)[:, None] < 2, -jnp.inf, jnp.zeros((40, 40), dtype)))
 
     def loss(attention, q, k, v):
         o, lse = attention(q, k, v, return_lse=True, **options)
