@@ -48,8 +48,8 @@ class FlashMultiHeadAttention(nnx.Module):
       out_kernel_init, out_bias_init: the output projection's initialisers (default: kernel_init,
         bias_init), as in Flax.
       kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata: the
-        projections' parameter metadata (e.g. ``out_sharding``, the parameters' partitioning), as in Flax: the output
-        projection's default to the others'.
+        projections' parameter metadata (e.g. ``out_sharding``, the parameters'
+        partitioning), as in Flax: the output projection's default to the others'.
       decode: default for the call's ``decode``.
       backend, config: forwarded to `flashjax.flash_attention`.
       rngs: `nnx.Rngs` for the initialisers (and dropout, kept as ``self.rngs``).
