@@ -103,10 +103,10 @@ class FlashMultiHeadAttention(nnx.Module):
         self.config = config
 
         def linear(in_features, out_features, **kw):
-            kw = dict(dict(kernel_init=kernel_init, bias_init=bias_init, kernel_metadata=kernel_metadata,
-                           bias_metadata=bias_metadata), **kw)
+            params = {"kernel_init": kernel_init, "bias_init": bias_init, "kernel_metadata": kernel_metadata,
+                      "bias_metadata": bias_metadata, **kw}
             return nnx.LinearGeneral(in_features, out_features, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
-                                     rngs=rngs, **kw)
+                                     rngs=rngs, **params)
 
         kv_in = in_kv_features or in_features
         self.query = linear(in_features, (num_heads, self.head_dim))
