@@ -160,17 +160,17 @@ class Choice:
 
     def __str__(self) -> str:
         lines = [f"forward: {self.backend}"]
-        lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.passed]
+        lines += [f"  not {name}: {_joined(reasons)}" for name, reasons in self.passed]
         if not self.backward_backend:  # a decode call: forward only
             return "\n".join(lines)
         lines.append(f"backward: {self.backward_backend}")
-        lines += [f"  not {name}: {'; '.join(reasons)}" for name, reasons in self.backward_passed]
+        lines += [f"  not {name}: {_joined(reasons)}" for name, reasons in self.backward_passed]
         return "\n".join(lines)
 
 
 def _joined(reasons, separator: str = "; ") -> str:
     """Reasons as one clause list, for a sentence that goes on after it."""
-    return separator.join(reasons).rstrip(".")
+    return separator.join(reason.rstrip(".") for reason in reasons)
 
 
 def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:

@@ -221,8 +221,11 @@ class Mod:
 
     @functools.cached_property
     def _typed_primitives(self) -> dict:
-        return {derivative: frozenset((eqn.primitive.name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
-                                      for eqn in self._computations(derivative))
+        def typed(eqn):
+            name = _RUNS_AS.get(eqn.primitive.name, eqn.primitive.name)
+            return name and (name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
+
+        return {derivative: frozenset(filter(None, map(typed, self._computations(derivative))))
                 for derivative in (False, True)}
 
     @functools.cached_property
@@ -585,6 +588,16 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
     return list(one(*batched_values))
 
 
+# Primitives the kernels evaluate as other operations: neither lowering has a rule for them,
+# and a plain mod's programs hold them (`Mod.typed_primitives` names what runs instead, None
+# for nothing).
+REWRITTEN = {
+    "add_any": lax.add,  # the sum of two cotangents in a derivative program (s * tanh(s))
+    "copy": lambda x: x,  # jnp.copy, and inside some jnp functions (gelu)
+}
+_RUNS_AS = {"add_any": "add", "copy": None}
+
+
 def _bind(eqn, ins) -> list:
     """Applies an equation's primitive to values (as `jax.core.eval_jaxpr` does)."""
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -603,6 +616,8 @@ def _bind(eqn, ins) -> list:
             outs = eqn.primitive.bind(*ins, **params)
         outs = outs if eqn.primitive.multiple_results else [outs]
         return [np.asarray(o)[()] for o in outs]
+    if eqn.primitive.name in REWRITTEN:
+        return [REWRITTEN[eqn.primitive.name](*ins)]
     if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:
         # Mosaic GPU (JAX 0.11.2) cannot lower the not of a boolean tile ("Register bitwidth
         # ... must be divisible by 8, got 2"); an xor with True is the same value.

@@ -1278,6 +1278,28 @@ def test_mods_on_hopper(case, dtype, rng):
     assert_matches(got, want, dtype)
 
 
+@pytest.mark.parametrize("name, score_mod", [
+    ("score-used-twice", lambda s, b, h, i, j: s * jax.nn.sigmoid(s)),  # its derivative sums two cotangents
+    ("copy", lambda s, b, h, i, j: jnp.copy(s) - 0.01 * jnp.abs(i - j)),
+])
+def test_primitives_without_rules_run_as_what_they_compute(rng, monkeypatch, name, score_mod):
+    """JAX's add_any (the sum of two cotangents in a derivative program) and copy have no
+    lowering rule in either kernel family; the kernels evaluate them as an add and as the value
+    itself, so such mods run on the kernels (forward and backward, the Hopper ones on an H100
+    too) with the reference's results."""
+    s = Shape(batch=2, seq_q=24, seq_k=33, heads=4, kv_heads=2, head_dim=16)
+    options = lambda a: dict(score_mod=score_mod, causal=True)
+    x = draw(rng, s, jnp.float32)
+    got, want = run_both(x, options)
+    assert_matches(got, want, jnp.float32)
+    from flashjax import backends
+
+    monkeypatch.setattr(backends, "describe_device", lambda: ("gpu", "9.0"))
+    bf16 = {key: value.astype(jnp.bfloat16) for key, value in x.items() if key in "qkv"}
+    choice = flashjax.explain(bf16["q"], bf16["k"], bf16["v"], **options({}))
+    assert (choice.backend, choice.backward_backend) == ("mosaic", "mosaic"), choice
+
+
 def test_custom_vjp_in_a_score_mod(rng):
     """A score_mod calling a jax.custom_vjp function (a straight-through estimator) runs forward on
     the kernels; its backward, which needs the derivative in forward mode, runs on the reference,

@@ -546,6 +546,10 @@ USER_MODS = {
     "erf": dict(score_mod=lambda s, b, h, i, j: s + jax.lax.erf((i - j).astype(jnp.float32) / 50.0)),
     "float-rem": dict(score_mod=lambda s, b, h, i, j: jnp.fmod(s, 8.0)),
     "atan2": dict(score_mod=lambda s, b, h, i, j: s + jnp.arctan2(i - j, 8.0)),
+    # Both: add_any (a derivative's sum of cotangents) and copy have no rule; they run as an add
+    # and as the value itself.
+    "score-used-twice": dict(score_mod=lambda s, b, h, i, j: s * jax.nn.sigmoid(s)),
+    "copy": dict(score_mod=lambda s, b, h, i, j: jnp.copy(s) + 0.0 * i),
     # Loops: their body runs every iteration inside the kernels.
     "fori-loop-score": dict(score_mod=lambda s, b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, x: x + 0.5 * (j % 2), s)),
     "fori-loop-mask": dict(mask_mod=lambda b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, c: c + 1, j) <= i + 1),
@@ -634,6 +638,10 @@ MOSAIC_FLEX_CASES = {
     # functions of one side only: keys below a per-batch bound, every 7th query row dropped
     "one-sided-mods": lambda slopes: dict(mask_mod=lambda b, h, i, j: j < jnp.array([5, 300])[b],
                                           score_mod=lambda s, b, h, i, j: jnp.where(i % 7 == 3, -jnp.inf, s)),
+    # a score_mod using the score twice (its derivative sums two cotangents: JAX's add_any,
+    # evaluated as an add) and a jnp.copy (evaluated as the value itself)
+    "nonlinear-score-mod-and-copy": lambda slopes: dict(score_mod=lambda s, b, h, i, j: jnp.copy(s * jnp.tanh(s / 8.0)),
+                                                        causal=True),
     # a per-head band: the block mask differs per head (the ranges take every head's tiles)
     "per-head-band-mask-mod": lambda slopes: dict(
         mask_mod=lambda b, h, i, j: (i - j <= jnp.array([64, 128, 256, 4096])[h]) & (j - i <= 64), window=(500, 500)),
