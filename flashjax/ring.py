@@ -238,7 +238,9 @@ def ring_attention(
     sinks = checks.check_sinks(sinks, q.shape[2])
     o, lse = _ring_jit(ring, q, k, v, segments, mods.score_consts, mods.mask_consts)
     if sinks is not None:
-        o, lse = fold_sinks(o, lse, sinks)
+        # Sinks laid out along the heads as the lse is (on an Explicit mesh a sinks array split
+        # over another axis would not combine with it).
+        o, lse = fold_sinks(o, lse, _place(ring, sinks, P(ring.head_axis)))
     return (o, lse) if return_lse else o
 
 

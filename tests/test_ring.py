@@ -269,6 +269,16 @@ def check_ring_on_explicit_meshes(*, seed):
                                    argnums=(0, 1)))(q, table)
             for name, g, w in zip(("dq", "dtable"), got, want):
                 check_close(g, w, jnp.float32, f"{name} {backend}")
+    # Sinks split over the ring's axis (any layout of the caller's) are laid out along the heads.
+    sinks_host = rng.standard_normal(DEVICES).astype(np.float32)
+    sinks = jax.device_put(sinks_host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("sp")))
+    q4 = jnp.asarray(rng.standard_normal((1, 32, DEVICES, 16), dtype=np.float32))
+    want = jax.grad(lambda q, s: jnp.sum(reference.attention(q, q, q, causal=True, sinks=s) ** 2),
+                    argnums=(0, 1))(q4, jnp.asarray(sinks_host))
+    got = jax.jit(jax.grad(lambda q, s: jnp.sum(ring(q, causal=True, sinks=s, backend="xla", load_balance=False) ** 2),
+                           argnums=(0, 1)))(q4, sinks)
+    for name, g, w in zip(("dq", "dsinks"), got, want):
+        check_close(g, w, jnp.float32, f"{name} with sharded sinks")
 
 
 def test_ring_on_explicit_meshes(request):
