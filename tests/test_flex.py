@@ -1213,6 +1213,9 @@ HOPPER_CASES = {
         score_mod=mods.tanh_softcap(2.0)), q_scale=8.0),
     "tanh-mod-with-softcap-window": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         score_mod=mods.tanh_softcap(5.0), softcap=3.0, window=(100, 50))),
+    # the score used twice (its derivative's add_any runs as an add) through a jnp.copy
+    "score-used-twice-copy": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        score_mod=lambda sc, b, h, i, j: jnp.copy(sc * jax.nn.sigmoid(sc)), causal=True)),
     # mask_mods (the block mask narrows the tile ranges; boundary tiles evaluate mask_mod)
     "prefix-lm": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.prefix_lm(jnp.array([20, 250])))),
     "chunked": Case(HOPPER_SELF, lambda rng, s: {}, lambda a, s: dict(mask_mod=mods.chunked(96))),
