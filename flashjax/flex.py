@@ -222,7 +222,7 @@ class Mod:
     @functools.cached_property
     def _typed_primitives(self) -> dict:
         def typed(eqn):
-            name = _RUNS_AS.get(eqn.primitive.name, eqn.primitive.name)
+            name = REWRITTEN[eqn.primitive.name][0] if eqn.primitive.name in REWRITTEN else eqn.primitive.name
             return name and (name, np.dtype(eqn.invars[0].aval.dtype).name if eqn.invars else "")
 
         return {derivative: frozenset(filter(None, map(typed, self._computations(derivative))))
@@ -589,13 +589,12 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
 
 
 # Primitives the kernels evaluate as other operations: neither lowering has a rule for them,
-# and a plain mod's programs hold them (`Mod.typed_primitives` names what runs instead, None
-# for nothing).
+# and a plain mod's programs hold them. Each maps to (the primitive that runs instead, for
+# `Mod.typed_primitives`, None for none; the function `_bind` applies).
 REWRITTEN = {
-    "add_any": lax.add,  # the sum of two cotangents in a derivative program (s * tanh(s))
-    "copy": lambda x: x,  # jnp.copy, and inside some jnp functions (gelu)
+    "add_any": ("add", lax.add),  # the sum of two cotangents in a derivative program (s * tanh(s))
+    "copy": (None, lambda x: x),  # jnp.copy, and inside some jnp functions (gelu)
 }
-_RUNS_AS = {"add_any": "add", "copy": None}
 
 
 def _bind(eqn, ins) -> list:
@@ -617,7 +616,7 @@ def _bind(eqn, ins) -> list:
         outs = outs if eqn.primitive.multiple_results else [outs]
         return [np.asarray(o)[()] for o in outs]
     if eqn.primitive.name in REWRITTEN:
-        return [REWRITTEN[eqn.primitive.name](*ins)]
+        return [REWRITTEN[eqn.primitive.name][1](*ins)]
     if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:
         # Mosaic GPU (JAX 0.11.2) cannot lower the not of a boolean tile ("Register bitwidth
         # ... must be divisible by 8, got 2"); an xor with True is the same value.

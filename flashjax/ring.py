@@ -162,8 +162,9 @@ def ring_attention(
     Call it with global arrays (inside or outside ``jit``; on a mesh of Explicit axes,
     ``jax.make_mesh``'s default, differentiate under ``jit`` or ``jax.set_mesh``: JAX
     refuses an eager ``grad`` there); their sequence axis is split in equal shards over
-    ``axis_name`` (inputs laid out differently are resharded to that by XLA). No device ever holds more than its query shard and
-    two K/V blocks. Differentiable in q, k, v (and through the lse).
+    ``axis_name`` (inputs laid out differently are resharded to that by XLA). No device
+    ever holds more than its query shard and two K/V blocks. Differentiable in q, k, v
+    (and through the lse).
 
     Example::
 

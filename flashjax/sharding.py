@@ -105,10 +105,7 @@ def run_on_explicit_layout(q, k, v, layout, kwargs):
     q's batch and head axes (shard_map, as `sharded_flash_attention`), after gathering any
     sequence or head_dim split (what XLA does for a Pallas call on an Auto mesh); with
     neither axis split, every device runs the whole call."""
-    mesh, batch_axis, head_axis = layout
-    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
-    if k.shape[2] % sizes["head_axis"]:
-        head_axis = None  # too few kv heads to split (MQA): the heads are gathered
+    mesh, batch_axis, head_axis, _ = _per_shard(layout, k.shape[2])
     spec = P(batch_axis, None, head_axis, None)
     q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
     return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
@@ -118,11 +115,20 @@ def shard_call(call, layout):
     """The `Call` each device makes for `call` on arrays of an Explicit `layout`
     (`run_on_explicit_layout`): its share of the batch and of the heads (the heads whole
     where the kv heads do not divide)."""
+    _, _, _, sizes = _per_shard(layout, call.kv_heads)
+    return dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // sizes["head_axis"],
+                               kv_heads=call.kv_heads // sizes["head_axis"])
+
+
+def _per_shard(layout, kv_heads: int):
+    """(mesh, batch_axis, head_axis, their sizes) of the per-shard call on an Explicit `layout`:
+    the head axis dropped (the heads gathered) where it does not divide the kv heads (MQA)."""
     mesh, batch_axis, head_axis = layout
     sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
-    heads = sizes["head_axis"] if call.kv_heads % sizes["head_axis"] == 0 else 1
-    return dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // heads,
-                               kv_heads=call.kv_heads // heads)
+    if kv_heads % sizes["head_axis"]:
+        head_axis = None
+        sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=None)
+    return mesh, batch_axis, head_axis, sizes
 
 
 def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
