@@ -62,7 +62,9 @@ class Mod:
 
     Equal (and hashing alike) when the traced programs are: the same operations on
     closed-over arrays of the same shapes and dtypes (a jit static; the arrays' values are
-    operands). Two different function objects that trace alike share compilations.
+    operands), the same custom derivative rules (compared through the derivative's program)
+    and the same host callbacks. Two different function objects that trace alike share
+    compilations.
 
     Attributes:
       name: "score_mod" or "mask_mod".
@@ -84,9 +86,12 @@ class Mod:
     uses_head: bool
     program: str = ""  # the jaxpr's text (with `sides`, theirs too): what equality compares
     sides: tuple = ()
+    # The Python functions the program calls, whose text shows no more than a name
+    # (pure_callback's): equality compares them too.
+    callbacks: tuple = ()
 
     def _key(self):
-        return (self.name, self.const_avals, self.program)
+        return (self.name, self.const_avals, self.program, self.callbacks)
 
     def __eq__(self, other):
         return isinstance(other, Mod) and self._key() == other._key()
@@ -327,9 +332,33 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
     mod = Mod(
         name=name, const_avals=tuple((tuple(c.shape), np.dtype(c.dtype)) for c in consts),
         jaxpr=jaxpr, uses_batch=used[first_index], uses_head=used[first_index + 1],
-        program=str(jaxpr),
+        program=str(jaxpr), callbacks=_callbacks(jaxpr),
     )
+    if name == SCORE_MOD and any(eqn.primitive.name in CUSTOM_RULES for eqn in _nested_eqns(jaxpr)):
+        # A custom_jvp / custom_vjp rule prints as a name: two mods that differ only in their
+        # rules would compare equal (and share compiled backwards). Their derivative's program
+        # holds the rules' operations.
+        mod = dataclasses.replace(mod, program=f"{mod.program}\nderivative:\n{_derivative_program(mod)}")
     return mod, consts
+
+
+def _callbacks(jaxpr) -> tuple:
+    """The Python callables held by the program's equations (pure_callback's function, ...),
+    which its text prints without telling them apart; custom rules are compared through
+    `_derivative_program` instead (their wrappers are rebuilt at every trace)."""
+    return tuple(param for eqn in _nested_eqns(jaxpr) if eqn.primitive.name not in CUSTOM_RULES
+                 for param in eqn.params.values() if callable(param))
+
+
+def _derivative_program(mod: Mod) -> str:
+    """The text of the program of a score_mod's reverse derivative in the score and the
+    closed-over arrays (a custom rule's operations included)."""
+    def cotangents(consts, score, *indices):
+        value = lambda score, consts: mod.bind(consts)(score, *indices)
+        return jax.vjp(value, score, consts)[1](jnp.ones((), jnp.float32))
+
+    consts = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in mod.const_avals]
+    return str(jax.make_jaxpr(cotangents)(consts, *_scalar_args(SCORE_MOD)))
 
 
 def _hoist_constants(jaxpr, consts: tuple):
@@ -720,7 +749,8 @@ CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
 # The calls `_evaluate` inlines rather than binds: a jit recorded where the mod was traced
 # carries that trace's mesh context (an Explicit mesh set with jax.set_mesh), which a
 # shard_map body evaluating the mod cannot take. Custom-derivative calls keep their rules.
-INLINED_CALLS = CALLS - {"custom_jvp_call", "custom_vjp_call"}
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+INLINED_CALLS = CALLS - CUSTOM_RULES
 
 
 def inner_jaxpr(eqn):

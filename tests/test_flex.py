@@ -1323,6 +1323,45 @@ def test_custom_vjp_in_a_score_mod(rng):
     assert_matches(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_mods_that_differ_only_in_rules_or_callbacks_are_not_alike(backend):
+    """Two score_mods whose programs print alike but whose custom_jvp / custom_vjp rules or
+    host callbacks differ are different mods (each call gets its own gradient / values, not
+    a compiled program of the other's); the same function traced twice stays one mod, so it
+    compiles once."""
+    rng = np.random.default_rng(7)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.float32) for _ in range(4))
+
+    def jvp_rule(slope):  # the identity, with derivative `slope`
+        f = jax.custom_jvp(lambda x: x)
+        f.defjvp(lambda p, t: (p[0], slope * t[0]))
+        return lambda s, b, h, i, j: f(s)
+
+    def vjp_rule(slope):
+        f = jax.custom_vjp(lambda x: x)
+        f.defvjp(lambda x: (x, None), lambda _, g: (slope * g,))
+        return lambda s, b, h, i, j: f(s)
+
+    def host(c):  # score * c, computed on the host
+        return lambda s, b, h, i, j: jax.pure_callback(lambda x: np.asarray(x * c, np.float32),
+                                                       jax.ShapeDtypeStruct((), jnp.float32), s,
+                                                       vmap_method="sequential")
+
+    plain = jax.grad(lambda q: jnp.sum(flashjax.flash_attention(q, k, v, backend="xla") * w))(q)
+    for rule in (jvp_rule, vjp_rule):
+        mods = [flex.trace(rule(slope), flex.SCORE_MOD)[0] for slope in (2.0, 3.0)]
+        assert mods[0] != mods[1]
+        same = rule(2.0)
+        assert flex.trace(same, flex.SCORE_MOD)[0] == flex.trace(same, flex.SCORE_MOD)[0]
+        for slope in (2.0, 3.0):
+            loss = lambda q: jnp.sum(flashjax.flash_attention(q, k, v, score_mod=rule(slope), backend=backend) * w)
+            check_close(jax.grad(loss)(q), slope * plain, jnp.float32, f"dq of {rule.__name__}({slope})")
+    if backend == "xla":  # the kernels cannot call the host
+        for c in (1.0, 0.5):
+            got = flashjax.flash_attention(q, k, v, score_mod=host(c), backend=backend)
+            check_close(got, reference.attention(q, k, v, scale=c / 4), jnp.float32, f"o of host({c})")
+
+
 def test_loops_in_mods(rng):
     """A fori_loop in a score_mod and in a mask_mod runs every iteration, in the kernels (forward
     and backward) and in the block mask built from the mask_mod."""
