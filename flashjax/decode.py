@@ -57,6 +57,12 @@ def decode_attention(
     outside the kernel, do get a gradient); train with `flashjax.flash_attention`. Works under
     ``jit`` and ``vmap``.
 
+    Arrays typed on a mesh of Explicit axes (``jax.make_mesh``'s default) run per shard, with
+    no collective, along the cache's batch and kv-head axes (q's where the cache has none;
+    a paged pool is split along its kv heads only, since any sequence may own any page):
+    each device reads its own sequences and heads of the cache. Arrays laid out otherwise
+    are resharded to that layout first. On a mesh of Auto axes XLA gathers the inputs.
+
     The Triton kernel (``backend="triton"``, what ``auto`` takes where it can) splits each
     sequence's keys over several programs (flash-decoding), reads every K/V byte once per
     kv head for all the query heads of its group, follows the page table in the kernel,
@@ -148,9 +154,10 @@ def decode_attention(
         scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, v_head_dim=v_head_dim,
     )
     sinks = checks.check_sinks(sinks, q.shape[2])
+    call, layout = _per_device(q, cache, call)
     choice = backends.choose_decode(call, backend, config)
     with jax.named_scope("decode_attention"):
-        out, lse = _decode(q, cache, sinks, DecodeParams(**params, backend=choice.backend, config=config))
+        out, lse = _decode(q, cache, sinks, DecodeParams(**params, backend=choice.backend, config=config), layout)
     return (out, lse) if return_lse else out
 
 
@@ -178,7 +185,17 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     else:  # under eval_shape: checks and describes, computes nothing
         described = []
         jax.eval_shape(lambda arrays: described.append(_prepare(**arrays, **static)[1]), arrays)
-    return backends.choose_decode(described[0], backend, config)
+    call, _ = _per_device(q, KVCache(k_cache, v_cache, None, bound.arguments["page_table"]), described[0])
+    return backends.choose_decode(call, backend, config)
+
+
+def _per_device(q, cache: KVCache, call: DecodeCall):
+    """(the call one device makes, the Explicit layout it runs on or None): on arrays typed on
+    a mesh of Explicit axes the step runs per shard (`sharding.decode_per_shard`)."""
+    from flashjax import sharding  # imports the API, which imports this module
+
+    layout = sharding.decode_layout(q, cache.k, paged=cache.page_table is not None)
+    return (call, None) if layout is None else sharding.shard_decode_call(call, layout)
 
 
 def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, softcap, scale, k_scale, v_scale,
@@ -223,14 +240,26 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
     return cache, call, params
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _decode(q, cache: KVCache, sinks, params: DecodeParams):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _decode(q, cache: KVCache, sinks, params: DecodeParams, layout):
+    step = functools.partial(_step, params=params)
+    if layout is None:
+        out, lse = step(q, cache)
+    else:
+        from flashjax import sharding
+
+        out, lse = sharding.decode_per_shard(step, q, cache, layout)
+        if sinks is not None:  # laid out as the heads of the lse they join
+            sinks = jax.reshard(sinks, jax.sharding.NamedSharding(layout[0], jax.sharding.PartitionSpec(layout[2])))
+    return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
+
+
+def _step(q, cache: KVCache, params: DecodeParams):
     # Traced values escape the API's checks: keep every read inside the cache.
     lengths = jnp.clip(cache.lengths, 0, cache.capacity)
     if cache.page_table is not None:
         cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
-    out, lse = _forward_only(q, cache._replace(lengths=lengths), params)
-    return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
+    return _forward_only(q, cache._replace(lengths=lengths), params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

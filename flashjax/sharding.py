@@ -131,6 +131,68 @@ def _per_shard(layout, kv_heads: int):
     return mesh, batch_axis, head_axis, sizes
 
 
+def decode_layout(q, k_cache, paged: bool):
+    """(mesh, batch_axis, head_axis) of a `decode_attention` call whose arrays are typed on a
+    mesh of Explicit axes, else None. The layout follows the cache, the largest operand: its
+    kv-head axis (else q's head axis) and, for a contiguous cache, its batch axis (else q's;
+    a paged pool has no batch axis, so q's)."""
+    mesh = next((m for m in (getattr(_sharding(x), "mesh", None) for x in (q, k_cache))
+                 if m is not None and m.explicit_axes), None)
+    if mesh is None:
+        return None
+    q_spec, k_spec = (tuple(_input_spec(x) or ()) + (None,) * 4 for x in (q, k_cache))
+    head_axis = k_spec[2] if k_spec[2] is not None else q_spec[2]
+    batch_axis = k_spec[0] if not paged and k_spec[0] is not None else q_spec[0]
+    if set(checks.mesh_axis_names(batch_axis)) & set(checks.mesh_axis_names(head_axis)):
+        head_axis = None  # q and the cache split along one axis differently: the heads whole
+    return mesh, batch_axis, head_axis
+
+
+def shard_decode_call(call, layout):
+    """(the `DecodeCall` each device makes, the layout it runs on) for a decode `call` on an
+    Explicit `layout` (`decode_layout`): an axis whose size does not divide the batch, or
+    the heads and kv heads (MQA), is dropped, and that dim is gathered."""
+    mesh, batch_axis, head_axis = layout
+    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    if call.batch % sizes["batch_axis"]:
+        batch_axis = None
+    if call.heads % sizes["head_axis"] or call.kv_heads % sizes["head_axis"]:
+        head_axis = None
+    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    call = dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // sizes["head_axis"],
+                               kv_heads=call.kv_heads // sizes["head_axis"])
+    return call, (mesh, batch_axis, head_axis)
+
+
+def decode_per_shard(fn, q, cache, layout):
+    """``fn(q, cache) -> (out, lse)``, a decode step, run per shard of `layout`'s batch and
+    head axes (`shard_decode_call`), with no communication: each device reads its sequences'
+    cache and its kv heads. A paged pool is split along the kv heads only (any sequence may
+    own any page); the arrays laid out otherwise are resharded first.
+
+    q [B, q_len, H, D]; cache a `KVCache`. Returns out [B, q_len, H, Dv] sharded as
+    ``P(batch_axis, None, head_axis, None)`` and lse [B, H, q_len] as ``P(batch_axis, head_axis, None)``.
+    """
+    mesh, batch_axis, head_axis = layout
+    paged = cache.page_table is not None
+    heads_spec = P(None if paged else batch_axis, None, head_axis, None)
+    specs = dict(k=heads_spec, v=heads_spec, lengths=P(batch_axis), page_table=P(batch_axis, None))
+    names = [name for name in cache._fields if getattr(cache, name) is not None]
+    arrays = [getattr(cache, name) for name in names]
+    for name in ("k_scale", "v_scale"):  # [Hkv] or [num_pages, Hkv]
+        if getattr(cache, name) is not None:
+            specs[name] = P(*(None,) * (getattr(cache, name).ndim - 1), head_axis)
+    in_specs = (P(batch_axis, None, head_axis, None), *(specs[name] for name in names))
+
+    def local(q, *arrays):
+        return fn(q, type(cache)(**dict.fromkeys(cache._fields) | dict(zip(names, arrays))))
+
+    out_specs = (P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None))
+    args = [_place(mesh, x, spec) for x, spec in zip((q, *arrays), in_specs)]
+    # check_vma=False: the Pallas call has no varying-manual-axes rule.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
 def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
     functions = {name: kwargs.pop(name) for name in (flex.SCORE_MOD, flex.MASK_MOD) if kwargs.get(name) is not None}
     block_mask = kwargs.get("block_mask")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zlib
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ from flashjax.kernels.triton import decode as triton_decode
 from flashjax.params import KVCache, DecodeCall
 
 from conftest import check_close, check_lse
+from multidevice import gpus_or_skip, run_on_devices
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -446,6 +448,81 @@ def test_latent_cache_under_jit_and_vmap(rng):
                                                jnp.stack([c.page_table for c in caches]))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def check_decode_on_explicit_meshes(*, seed, mesh_shape=(2, 2)):
+    """decode_attention on arrays typed on a mesh of Explicit axes (`jax.make_mesh`'s default):
+    contiguous and paged, bfloat16 and float8 caches (scales per kv head and per page), with
+    sinks and lengths 0 .. capacity, laid out along the batch, the kv heads, both, neither,
+    or q and the cache differently: out and lse equal the oracle's, eagerly and under jit,
+    the output keeps the cache's batch and head split, the sinks' gradient is the oracle's,
+    and a cache laid out as the step runs is never gathered. MQA with q's heads split
+    gathers the heads. Runs on 4 CPU devices (tests/multidevice.py) or on the GPUs."""
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    mesh = jax.make_mesh(tuple(mesh_shape), ("data", "model"))
+    place = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    rng = np.random.default_rng(seed)
+    lengths = jnp.asarray([0, 37, 64, 5], jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(4), F32)
+    layouts = [(P("data"), P("data")), (P(None, None, "model"), P(None, None, "model")),
+               (P("data", None, "model"), P("data", None, "model")), (P(), P()),
+               (P("data"), P(None, None, "model"))]  # (q's, the cache's)
+    configs = ((None, None, BF16, layouts), (16, None, F32, layouts[2:]), (16, "page", BF16, layouts[2::2]),
+               (None, "head", F16, layouts[1::3]))
+    for page_size, scales, dtype, config_layouts in configs:
+        cache = make_cache(rng, 4, 64, 2, FP8 if scales else dtype, page_size=page_size, scales=scales)
+        if page_size is not None:  # a pool of 20 pages (one spare more), to split in two
+            grow = lambda x: None if x is None or x.ndim == 1 else jnp.concatenate([x, x[:1]])
+            cache = cache._replace(k=grow(cache.k), v=grow(cache.v), k_scale=grow(cache.k_scale) if scales == "page"
+                                   else cache.k_scale, v_scale=grow(cache.v_scale) if scales == "page" else cache.v_scale)
+        q = draw_q(rng, 4, 2, 4, dtype)
+        want_o, want_lse = oracle(q, cache, lengths, sinks=sinks)
+        want_dsinks = jax.grad(lambda s: jnp.sum(oracle(q, cache, lengths, sinks=s)[0] * q[..., :1]))(sinks)
+        for q_spec, cache_spec in config_layouts:
+            batch_spec = P(tuple(q_spec)[0] if tuple(q_spec) else None)
+            args = (place(q, q_spec), place(cache.k, cache_spec), place(cache.v, cache_spec),
+                    place(lengths, batch_spec))
+            options = dict(page_table=place(cache.page_table, P(*batch_spec, None)), k_scale=cache.k_scale,
+                           v_scale=cache.v_scale, sinks=sinks, backend="triton")
+            step = lambda q, k, v, lengths, **kw: flashjax.decode_attention(q, k, v, lengths, return_lse=True,
+                                                                             **(options | kw))
+            eager = [step(*args)] if q_spec == config_layouts[0][0] else []
+            for got_o, got_lse in (*eager, jax.jit(step)(*args)):
+                check_close(got_o, want_o, dtype, f"o {q_spec} {cache_spec} pages {page_size} scales {scales}")
+                check_lse(got_lse, want_lse, dtype)
+            spec = tuple(jax.typeof(got_o).sharding.spec) + (None,) * 4
+            cache_spec = tuple(cache_spec) + (None,) * 4
+            kept_batch = cache_spec[0] if page_size is None and cache_spec[0] else (tuple(q_spec) + (None,))[0]
+            kept_heads = cache_spec[2] or (tuple(q_spec) + (None,) * 3)[2]
+            assert (spec[0], spec[2]) == (kept_batch, kept_heads), (q_spec, cache_spec, spec)
+        dsinks = jax.jit(jax.grad(lambda s: jnp.sum(step(*args, sinks=s)[0].astype(F32) * q[..., :1])))(sinks)
+        check_close(dsinks, want_dsinks, dtype, "dsinks")
+    # A contiguous cache laid out as the step runs: no collective moves it.
+    cache = make_cache(rng, 4, 64, 2, BF16)
+    spec = P("data", None, "model")
+    hlo = jax.jit(lambda q, k, v: flashjax.decode_attention(q, k, v, lengths, backend="triton")).lower(
+        place(draw_q(rng, 4, 1, 4, BF16), spec), place(cache.k, spec), place(cache.v, spec)).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    # MQA: one kv head cannot be split with q's heads, so the heads are gathered.
+    cache = make_cache(rng, 4, 64, 1, F32)
+    q = draw_q(rng, 4, 1, 4, F32)
+    got = flashjax.decode_attention(place(q, P("data", None, "model")), place(cache.k, P("data")),
+                                    place(cache.v, P("data")), lengths, backend="triton")
+    check_close(got, oracle(q, cache, lengths)[0], F32, "o mqa")
+    assert flashjax.explain_decode(place(q, P("data", None, "model")), place(cache.k, P("data")),
+                                   place(cache.v, P("data")), lengths).backend == "triton"
+
+
+def test_decode_on_explicit_meshes(request):
+    run_on_devices(__file__, "check_decode_on_explicit_meshes", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.mark.gpu
+def test_decode_on_explicit_meshes_on_gpus(request):
+    """The same over the visible GPUs (2 or more: a 2 x (GPUs / 2) mesh, or GPUs x 1)."""
+    gpus = gpus_or_skip("the caches")
+    check_decode_on_explicit_meshes(seed=zlib.crc32(request.node.nodeid.encode()),
+                                    mesh_shape=(2, gpus // 2) if gpus % 2 == 0 and gpus >= 4 else (gpus, 1))
 
 
 def test_explain_decode():
