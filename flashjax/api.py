@@ -7,6 +7,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashjax import autodiff, backends, checks, dropout, flex
 from flashjax.params import AttentionParams, Call, Extras
@@ -176,6 +177,7 @@ def flash_attention(
     """
     from flashjax import sharding  # imports this module
 
+    return_lse = checks.check_bool("return_lse", return_lse)
     layout = sharding.explicit_layout(q, k, v)
     if layout is not None:
         # Arrays typed on an Explicit mesh: the kernels run per shard (a Pallas call cannot
@@ -245,6 +247,8 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
 
 
 def _is_array_like(value) -> bool:
+    if isinstance(value, np.generic):  # a NumPy scalar option (np.float32(0.5)) is static
+        return False
     if isinstance(value, flex.BlockMask):
         return True
     if isinstance(value, (tuple, list)):
@@ -266,8 +270,7 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
     batch, seq_q, heads, head_dim = q.shape
     seq_k = k.shape[1]
     for name, flag in (("causal", causal), ("broadcast_dropout", broadcast_dropout), ("float32_residual", float32_residual)):
-        if not isinstance(flag, (bool, jnp.bool_)):
-            raise ValueError(f"{name} must be a bool, got {flag!r}.")
+        checks.check_bool(name, flag)
     scale = checks.check_scale(scale, head_dim)
     window = checks.check_window(window, span=seq_q + seq_k)
     softcap = checks.check_softcap(softcap)

@@ -88,6 +88,13 @@ def check_static_number(name: str, value, *, what: str = "a number"):
     return float(value)
 
 
+def check_bool(name: str, value) -> bool:
+    """A static flag (a Python or NumPy bool; a traced one cannot choose the program)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool (a static Python bool), got {value!r}.")
+    return bool(value)
+
+
 def check_scale(scale, head_dim: int) -> float:
     """The logit scale: 1 / sqrt(head_dim) by default, else a finite Python number > 0."""
     if scale is None:
@@ -203,7 +210,9 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
             raise ValueError(f"{name} must have shape {(batch, length)}, got {getattr(ids, 'shape', type(ids).__name__)}.")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
-        if isinstance(ids, np.ndarray) and ids.size and (ids.min() < -(2**31) or ids.max() > MAX_POSITION):
+        concrete = isinstance(ids, np.ndarray) or (isinstance(ids, jax.Array) and not isinstance(ids, jax.core.Tracer)
+                                                   and not np.can_cast(ids.dtype, np.int32))
+        if concrete and ids.size and (ids.min() < -(2**31) or ids.max() > MAX_POSITION):
             # The cast to int32 would wrap them, and two documents could then share an id.
             raise ValueError(f"{name} must fit int32, got values in [{ids.min()}, {ids.max()}].")
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)

@@ -154,6 +154,7 @@ def decode_attention(
         scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits, v_head_dim=v_head_dim,
     )
     sinks = checks.check_sinks(sinks, q.shape[2])
+    return_lse = checks.check_bool("return_lse", return_lse)
     call, layout = _per_device(q, cache, call)
     choice = backends.choose_decode(call, backend, config)
     with jax.named_scope("decode_attention"):
@@ -218,8 +219,7 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
     if k_scale is not None and k_scale.shape != v_scale.shape:
         raise ValueError(f"k_scale and v_scale must both be per kv head or both per page, got {k_scale.shape} and {v_scale.shape}.")
     checks.check_cache_contents(lengths, page_table, capacity, page_size, num_pages)
-    if not isinstance(causal, (bool, jnp.bool_)):
-        raise ValueError(f"causal must be a bool, got {causal!r}.")
+    checks.check_bool("causal", causal)
     window = checks.check_window(window, span=capacity + q_len)
     softcap = checks.check_softcap(softcap)
     scale = checks.check_scale(scale, head_dim)

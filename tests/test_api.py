@@ -76,6 +76,7 @@ OPTION_ERRORS = [
     pytest.param(dict(window=(0, 10**12)), "window right must be at most", id="window-right-past-int32"),
     pytest.param(dict(causal=1), "causal", id="causal-int"),
     pytest.param(dict(causal="yes"), "causal", id="causal-str"),
+    pytest.param(dict(return_lse=1), "return_lse must be a bool", id="return-lse-int"),
     pytest.param(dict(softcap=0.0), "softcap", id="softcap-0"),
     pytest.param(dict(softcap=-1.0), "softcap", id="softcap-negative"),
     pytest.param(dict(dropout_rate=-0.1), "dropout_rate", id="dropout-negative"),
@@ -153,6 +154,9 @@ def test_numpy_64_bit_lengths_and_ids():
     ids[:, T // 2:] = 2**32  # the same id as 0 once wrapped to int32
     with pytest.raises(ValueError, match="must fit int32"):
         flashjax.flash_attention(q, q, q, segment_ids=ids)
+    with jax.enable_x64(True):  # the same ids as a JAX array
+        with pytest.raises(ValueError, match="must fit int32"):
+            flashjax.flash_attention(q, q, q, segment_ids=jnp.asarray(ids))
 
 
 @pytest.mark.parametrize("backend", ["triton", "xla"])
@@ -334,6 +338,13 @@ def test_explain_takes_shapes_only():
     # A keyword flash_attention does not take is refused by name, as flash_attention refuses it.
     with pytest.raises(TypeError, match=r"explain\(\) got an unexpected keyword argument 'is_causal'"):
         flashjax.explain(q, q, q, is_causal=True)
+    # NumPy scalars are static options, as flash_attention takes them.
+    numpy_options = dict(scale=np.float32(0.5), causal=np.bool_(True), window=(np.int64(4), np.int64(0)),
+                         softcap=np.float64(30.0))
+    assert flashjax.explain(q, q, q, **numpy_options).backend in backends.names()
+    # A traced flag cannot choose the program: refused by name.
+    with pytest.raises(ValueError, match="return_lse must be a bool"):
+        jax.jit(lambda q, flag: flashjax.flash_attention(q, q, q, return_lse=flag))(jnp.zeros((1, 8, 1, 8)), True)
 
 
 def test_a_named_backend_that_cannot_run_the_call_says_why_in_one_sentence():
