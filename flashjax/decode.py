@@ -177,7 +177,8 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     bound = inspect.signature(decode_attention).bind(q, k_cache, v_cache, kv_lengths, **options)
     bound.apply_defaults()
     taken = {name: bound.arguments[name] for name in inspect.signature(_prepare).parameters}
-    arrays = {name: value for name, value in taken.items() if hasattr(value, "shape")}
+    # NumPy scalars (np.float32(0.5) as the scale) are static options, as decode_attention takes them.
+    arrays = {name: value for name, value in taken.items() if hasattr(value, "shape") and not isinstance(value, np.generic)}
     static = {name: value for name, value in taken.items() if name not in arrays}
     concrete = all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer)
                    for x in arrays.values())
@@ -186,6 +187,7 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     else:  # under eval_shape: checks and describes, computes nothing
         described = []
         jax.eval_shape(lambda arrays: described.append(_prepare(**arrays, **static)[1]), arrays)
+    checks.check_sinks(bound.arguments["sinks"], q.shape[2])
     call, _ = _per_device(q, KVCache(k_cache, v_cache, None, bound.arguments["page_table"]), described[0])
     return backends.choose_decode(call, backend, config)
 
@@ -218,7 +220,7 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
     v_scale = checks.check_cache_scale("v_scale", v_scale, k_cache.dtype, kv_heads, num_pages)
     if k_scale is not None and k_scale.shape != v_scale.shape:
         raise ValueError(f"k_scale and v_scale must both be per kv head or both per page, got {k_scale.shape} and {v_scale.shape}.")
-    checks.check_cache_contents(lengths, page_table, capacity, page_size, num_pages)
+    checks.check_cache_contents(kv_lengths, page_table, capacity, page_size, num_pages)  # the values passed, unclamped
     checks.check_bool("causal", causal)
     window = checks.check_window(window, span=capacity + q_len)
     softcap = checks.check_softcap(softcap)

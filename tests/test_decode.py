@@ -547,6 +547,15 @@ def test_explain_decode():
     assert flashjax.explain_decode(q, cache, cache, np.array([8, 1])).backend in ("triton", "xla")
     with pytest.raises(ValueError, match=r"kv_lengths must lie in \[0, 8\]"):
         flashjax.explain_decode(q, cache, cache, np.array([9, 1]))
+    # The value passed is named, not a clamped one (int64 past int32, negative).
+    for bad in (2**40, -5):
+        with pytest.raises(ValueError, match=rf"sequence 0 has {bad}\."):
+            flashjax.decode_attention(q, cache, cache, np.array([bad, 1]))
+    # NumPy scalars are static options, for explain_decode as for decode_attention; sinks are checked.
+    numpy_options = dict(scale=np.float32(0.3), softcap=np.float32(5.0), causal=np.True_, num_splits=np.int64(2))
+    assert flashjax.explain_decode(q, cache, cache, np.array([8, 1]), **numpy_options).backend in ("triton", "xla")
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        flashjax.explain_decode(q, cache, cache, np.array([8, 1]), sinks=jnp.zeros(3))
 
 
 def test_gradient_raises(rng):
