@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -283,6 +284,9 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
     if block_mask is not None:
         block_mask = flex.check_block_mask(block_mask, mask_mod, batch, heads, seq_q, seq_k)
         mask_mod = block_mask.mask_mod
+        # The traced mask_mod below stands for it: a function in the block mask (a static of
+        # its pytree) would key the compiled call on the function, rebuilt or not.
+        block_mask = dataclasses.replace(block_mask, mask_mod=None)
     masked, mask_consts = flex.trace(mask_mod, flex.MASK_MOD) if mask_mod is not None else (None, None)
     extras = Extras(
         bias=checks.check_pair_array("bias", bias, shape, floating=True),

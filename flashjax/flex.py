@@ -89,9 +89,12 @@ class Mod:
     # The Python functions the program calls, whose text shows no more than a name
     # (pure_callback's): equality compares them too.
     callbacks: tuple = ()
+    # The arrays a custom_jvp / custom_vjp rule of a score_mod closes over (`_ArrayKey`s):
+    # baked into the derivative, so compared by value.
+    rule_arrays: tuple = ()
 
     def _key(self):
-        return (self.name, self.const_avals, self.program, self.callbacks)
+        return (self.name, self.const_avals, self.program, self.callbacks, self.rule_arrays)
 
     def __eq__(self, other):
         return isinstance(other, Mod) and self._key() == other._key()
@@ -323,6 +326,16 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
         return out.astype(jnp.float32)
 
     closed = jax.make_jaxpr(checked)(*_scalar_args(name))
+    if any(isinstance(param, jex_core.ClosedJaxpr) and param.consts and eqn.primitive.name in INLINED_CALLS
+           for eqn in _nested_eqns(closed.jaxpr) for param in eqn.params.values()):
+        # Arrays closed over inside a nested jit are baked into its program, out of sight of
+        # the Mod's equality (and of the kernels' operands): the calls inlined, they are the
+        # program's own closed-over arrays.
+        closed = jax.make_jaxpr(lambda *args: _evaluate(closed.jaxpr, closed.consts, args))(*_scalar_args(name))
+    for c in closed.consts:
+        if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key):
+            raise ValueError(f"{name} closes over a typed PRNG key ({c.dtype}): close over jax.random.key_data(key) "
+                             "and rebuild the key inside with jax.random.wrap_key_data.")
     jaxpr, consts = _hoist_constants(closed.jaxpr, tuple(jnp.asarray(c) for c in closed.consts))
     # The Mod is a jit static: its program pairs the constvars with shapes, not with the
     # arrays (which may be tracers of the enclosing trace, and are passed as operands).
@@ -337,8 +350,10 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
     if name == SCORE_MOD and any(eqn.primitive.name in CUSTOM_RULES for eqn in _nested_eqns(jaxpr)):
         # A custom_jvp / custom_vjp rule prints as a name: two mods that differ only in their
         # rules would compare equal (and share compiled backwards). Their derivative's program
-        # holds the rules' operations.
-        mod = dataclasses.replace(mod, program=f"{mod.program}\nderivative:\n{_derivative_program(mod)}")
+        # holds the rules' operations, and the arrays the rules close over are compared by value.
+        derivative, rule_arrays = _derivative_program(mod)
+        mod = dataclasses.replace(mod, program=f"{mod.program}\nderivative:\n{derivative}",
+                                  rule_arrays=tuple(map(_ArrayKey, rule_arrays)))
     return mod, consts
 
 
@@ -350,15 +365,38 @@ def _callbacks(jaxpr) -> tuple:
                  for param in eqn.params.values() if callable(param))
 
 
-def _derivative_program(mod: Mod) -> str:
-    """The text of the program of a score_mod's reverse derivative in the score and the
-    closed-over arrays (a custom rule's operations included)."""
+def _derivative_program(mod: Mod) -> tuple[str, tuple]:
+    """(the text of the program of a score_mod's reverse derivative in the score and the
+    closed-over arrays (a custom rule's operations included), the arrays that program closes
+    over: those of the custom rules)."""
     def cotangents(consts, score, *indices):
         value = lambda score, consts: mod.bind(consts)(score, *indices)
         return jax.vjp(value, score, consts)[1](jnp.ones((), jnp.float32))
 
     consts = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in mod.const_avals]
-    return str(jax.make_jaxpr(cotangents)(consts, *_scalar_args(SCORE_MOD)))
+    closed = jax.make_jaxpr(cotangents)(consts, *_scalar_args(SCORE_MOD))
+    return str(closed.jaxpr), tuple(closed.consts)
+
+
+class _ArrayKey:
+    """An array compared by value (shape, dtype and contents); a tracer (no value yet) by identity."""
+
+    def __init__(self, array):
+        self.array = array
+        self._value = None
+        if not isinstance(array, jax.core.Tracer):
+            value = np.asarray(array)
+            self._value = (value.shape, value.dtype.str, value.tobytes())
+
+    def __eq__(self, other):
+        if not isinstance(other, _ArrayKey):
+            return NotImplemented
+        if self._value is None or other._value is None:
+            return self.array is other.array
+        return self._value == other._value
+
+    def __hash__(self):
+        return hash(self._value) if self._value is not None else id(self.array)
 
 
 def _hoist_constants(jaxpr, consts: tuple):
@@ -414,6 +452,9 @@ def kernel_backward_reasons(call) -> list[str]:
     if call.score_mod is not None and call.score_mod.calls_custom_vjp:
         return ["score_mod calls a jax.custom_vjp function, whose derivative the kernels cannot trace "
                 "forward (jvp) into the backward"]
+    if call.score_mod is not None and call.score_mod.rule_arrays:
+        return ["score_mod's custom derivative rule closes over arrays, which the kernels take only as "
+                "inputs (close over them in the score_mod itself)"]
     return []
 
 
@@ -989,7 +1030,7 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
     if mask_mod is not None and mask_mod is not mask.mask_mod:
         given, given_consts = trace(mask_mod, MASK_MOD)
         # The same program on the same arrays (a rebuilt mod) is the same mask.
-        if given != own or any(a is not b for a, b in zip(given_consts, own_consts)):
+        if given != own or any(_ArrayKey(a) != _ArrayKey(b) for a, b in zip(given_consts, own_consts)):
             raise ValueError(
                 "block_mask was built from another mask_mod than the one given: pass mask_mod=None "
                 "(the block mask's own is used) or the same function."

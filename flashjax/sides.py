@@ -99,7 +99,7 @@ def split(mod: flex.Mod) -> flex.Mod | str:
     rest = _rest_program(mod, row, col)
     return flex.Mod(name=mod.name, const_avals=mod.const_avals, jaxpr=rest, uses_batch=mod.uses_batch,
                     uses_head=mod.uses_head, program=" | ".join(map(str, (rest, *sides))), sides=sides,
-                    callbacks=mod.callbacks)
+                    callbacks=mod.callbacks, rule_arrays=mod.rule_arrays)
 
 
 def values(mod: flex.Mod, consts, batch: int, q_len: int, kv_len: int):

@@ -23,7 +23,7 @@ from conftest import check_close, check_lse
 from test_variants import SMALL_TILES, Shape, _params, packed_ids
 
 import flashjax
-from flashjax import api, backends, flex, mods, reference
+from flashjax import api, autodiff, backends, flex, mods, reference
 
 
 def draw(rng, shape: Shape, dtype, q_scale=1.0):
@@ -690,7 +690,7 @@ ERRORS = [
     pytest.param(dict(block_mask=flashjax.block_mask(mods.causal(), 1, 2, 16, 16, block_q=16, block_k=16),
                       mask_mod=mods.causal(1)), "another mask_mod", id="block-mask-other-mod"),
     pytest.param(dict(block_mask=flashjax.block_mask(mods.prefix_lm(jnp.array([3])), 1, 2, 16, 16, block_q=16,
-                                                     block_k=16), mask_mod=mods.prefix_lm(jnp.array([3]))),
+                                                     block_k=16), mask_mod=mods.prefix_lm(jnp.array([5]))),
                  "another mask_mod", id="block-mask-other-arrays"),
     pytest.param(dict(block_mask=jnp.ones((1, 1, 1, 1), jnp.int8)), "BlockMask", id="block-mask-array"),
 ]
@@ -1360,6 +1360,70 @@ def test_mods_that_differ_only_in_rules_or_callbacks_are_not_alike(backend):
         for c in (1.0, 0.5):
             got = flashjax.flash_attention(q, k, v, score_mod=host(c), backend=backend)
             check_close(got, reference.attention(q, k, v, scale=c / 4), jnp.float32, f"o of host({c})")
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_arrays_closed_over_in_nested_jits_and_custom_rules_are_not_baked(backend):
+    """An array a mod closes over inside a nested jax.jit is an operand like any closed-over
+    array (a later call with another value computes with it, the block mask built from such
+    a mask_mod too); one a custom_jvp rule closes over is compared by value, so a rule over
+    other values is another mod (its own gradient), and the kernels leave that backward to
+    the reference, saying why."""
+    rng = np.random.default_rng(11)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(4))
+    for c in (2.0, -3.0):
+        table = jnp.asarray([c, c])  # per head
+        score_mod = lambda s, b, h, i, j: jax.jit(lambda x, h: x * table[h])(s, h)
+        got = flashjax.flash_attention(q, k, v, score_mod=score_mod, backend=backend)
+        check_close(got, reference.attention(q, k, v, scale=c / 4), jnp.float32, f"o, a nested jit over {c}")
+    for width in (1, 20):
+        bound = jnp.asarray([width, width])  # per head
+        mask_mod = lambda b, h, i, j: jax.jit(lambda h, i, j: jnp.abs(i - j) < bound[h])(h, i, j)
+        mask = flashjax.block_mask(mask_mod, 1, 2, 32, 32, block_q=16, block_k=16)
+        got = flashjax.flash_attention(q, k, v, block_mask=mask, backend=backend)
+        want = reference.attention(q, k, v, window=(width - 1, width - 1))
+        check_close(got, want, jnp.float32, f"o, a nested jit's band of {width}")
+
+    def rule_over(slope):  # the identity, with derivative slope[0]
+        f = jax.custom_jvp(lambda x: x)
+        f.defjvp(lambda p, t: (p[0], slope[0] * t[0]))
+        return lambda s, b, h, i, j: f(s)
+
+    plain = jax.grad(lambda q: jnp.sum(flashjax.flash_attention(q, k, v, backend="xla") * w))(q)
+    for slope in (1.0, 0.0, 1.0):
+        score_mod = rule_over(jnp.asarray([slope]))
+        loss = lambda q: jnp.sum(flashjax.flash_attention(q, k, v, score_mod=score_mod, backend=backend) * w)
+        check_close(jax.grad(loss)(q), slope * plain, jnp.float32, f"dq, a rule over {slope}")
+    choice = flashjax.explain(q, k, v, score_mod=rule_over(jnp.asarray([1.0])))
+    assert choice.backward_backend == "xla" and "closes over arrays" in str(choice), choice
+
+
+def test_a_block_mask_rebuilt_per_step_compiles_once(monkeypatch):
+    """A block mask rebuilt every step from a rebuilt mask_mod over new document ids (what a
+    training loop does per batch) reuses the compiled call: the function it carries is not
+    part of the compiled call's key. The same mask_mod rebuilt over the same NumPy ids is
+    accepted beside it, as one mask."""
+    traces = []
+    real = autodiff.attention
+    monkeypatch.setattr(autodiff, "attention", lambda *args: traces.append(1) or real(*args))
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.standard_normal((2, 32, 2, 16)), jnp.float32)
+    documents = lambda ids: (lambda b, h, i, j: jnp.asarray(ids)[b, i] == jnp.asarray(ids)[b, j])
+    for step in range(3):
+        ids = (np.arange(32) // (8 + 4 * step))[None].repeat(2, 0).astype(np.int32)
+        mask = flashjax.block_mask(documents(ids), 2, 2, 32, 32, block_q=16, block_k=16)
+        got = flashjax.flash_attention(q, q, q, block_mask=mask, mask_mod=documents(ids), backend="xla")
+        check_close(got, reference.attention(q, q, q, segment_ids=jnp.asarray(ids)), jnp.float32, f"o, step {step}")
+        if step == 0:
+            first = len(traces)
+    assert len(traces) == first, traces
+
+
+def test_a_typed_key_in_a_mod_is_refused_by_name():
+    key = jax.random.key(0)
+    q = jnp.zeros((1, 16, 1, 16))
+    with pytest.raises(ValueError, match="typed PRNG key.*key_data"):
+        flashjax.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j: s + jax.random.uniform(key), backend="xla")
 
 
 def test_loops_in_mods(rng):
