@@ -14,7 +14,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 __all__ = [
     "check_qkv", "check_scale", "check_window", "check_static_number", "check_dropout",
@@ -412,6 +412,29 @@ def mesh_axes_index(mesh, *axes):
         for name in mesh_axis_names(axis):
             index = index * mesh.shape[name] + jax.lax.axis_index(name)
     return index
+
+
+def place_on_mesh(mesh, x, spec):
+    """x laid out as `spec` (a PartitionSpec) on `mesh`: along Explicit axes by `jax.reshard`
+    (such meshes type arrays by their layout, and shard_map wants its inputs typed exactly
+    as its in_specs), along Auto ones by a sharding constraint (a mesh may mix both kinds)."""
+    explicit = set(mesh.explicit_axes)
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    x = jax.reshard(x, NamedSharding(mesh, only_mesh_axes(spec, explicit)))
+    auto = only_mesh_axes(spec, set(mesh.axis_names) - explicit)
+    if any(entry is not None for entry in auto):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, auto))
+    return x
+
+
+def only_mesh_axes(spec, names) -> P:
+    """`spec` with the mesh axes outside `names` removed (an entry left empty becomes None)."""
+    kept = []
+    for entry in spec:
+        entry = tuple(name for name in mesh_axis_names(entry) if name in names)
+        kept.append(None if not entry else entry[0] if len(entry) == 1 else entry)
+    return P(*kept)
 
 
 def check_mesh_axes(mesh, **axes) -> dict[str, int]:

@@ -58,8 +58,9 @@ def decode_attention(
     ``jit`` and ``vmap``.
 
     Arrays typed on a mesh of Explicit axes (``jax.make_mesh``'s default) run per shard, with
-    no collective, along the cache's batch and kv-head axes (q's where the cache has none;
-    a paged pool is split along its kv heads only, since any sequence may own any page):
+    no collective, along the cache's batch and kv-head axes (q's where the cache has none and
+    does not use that mesh axis; a paged pool is split along its kv heads only, since any
+    sequence may own any page):
     each device reads its own sequences and heads of the cache. Arrays laid out otherwise
     are resharded to that layout first. On a mesh of Auto axes XLA gathers the inputs.
 

@@ -233,6 +233,7 @@ def ring_attention(
     checks.check_qkv(q, k, v)
     q_ids, kv_ids = checks.check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
     segments = None if q_ids is None else (q_ids, kv_ids)
+    return_lse = checks.check_bool("return_lse", return_lse)
     mods = _trace_mods(score_mod, mask_mod, q.dtype)
     ring = _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, head_axis, backend, config,
                   segments is not None, checks.check_softcap(softcap), mods)
@@ -294,12 +295,15 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
     checks.check_bool("causal", causal)
     if causal and seq_q != seq_k:
         raise ValueError(f"causal ring attention is self-attention: q and k need the same length, got {seq_q} and {seq_k}.")
-    zigzag = causal and bool(load_balance)
+    zigzag = checks.check_bool("load_balance", load_balance) and causal
     parts = 2 * n if zigzag else n
     for name, length in (("q", seq_q), ("k", seq_k)):
         if length % parts:
             layout = f"the zig-zag layout (2 chunks per device, {n} devices)" if zigzag else f"{n} equal shards"
             raise ValueError(f"{name}'s sequence length {length} must be a multiple of {parts} for {layout}.")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"ring_attention needs a jax.sharding.Mesh of devices (it places the ring's blocks on "
+                         f"them), got {type(mesh).__name__}.")
     device = mesh.devices.flat[0]
     has_mods = mods.score is not None or mods.mask is not None
     if has_mods and backend == "auto" and device.platform == "gpu":
@@ -618,12 +622,7 @@ def _sharded(ring: _Ring, fn, in_specs, out_specs):
 
 def _place(ring: _Ring, x, spec):
     """Lays x out as `spec` on the mesh (a no-op when it already is)."""
-    sharding = NamedSharding(ring.mesh, spec)
-    if ring.mesh.explicit_axes:
-        # Explicit-sharding meshes (jax.make_mesh's default) type arrays by their
-        # sharding; shard_map wants its inputs typed exactly as its in_specs.
-        return jax.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return checks.place_on_mesh(ring.mesh, x, spec)
 
 
 def _segments_spec(ring: _Ring, segments):

@@ -96,8 +96,15 @@ def explicit_layout(q, k, v):
     mesh = next((m for m in meshes if m is not None and m.explicit_axes), None)
     if mesh is None:
         return None
-    spec = tuple(_input_spec(q) or ()) + (None,) * 4
+    spec = _explicit_spec(q, mesh)
     return mesh, spec[0], spec[2]
+
+
+def _explicit_spec(x, mesh) -> tuple:
+    """x's PartitionSpec over the mesh's Explicit axes, as a 4-tuple: what its type says under
+    jit (a concrete array's own sharding may also name Auto axes of a mixed mesh, along which
+    the per-shard path does not split)."""
+    return tuple(checks.only_mesh_axes(_input_spec(x) or (), set(mesh.explicit_axes))) + (None,) * 4
 
 
 def run_on_explicit_layout(q, k, v, layout, kwargs):
@@ -134,17 +141,22 @@ def _per_shard(layout, kv_heads: int):
 def decode_layout(q, k_cache, paged: bool):
     """(mesh, batch_axis, head_axis) of a `decode_attention` call whose arrays are typed on a
     mesh of Explicit axes, else None. The layout follows the cache, the largest operand: its
-    kv-head axis (else q's head axis) and, for a contiguous cache, its batch axis (else q's;
-    a paged pool has no batch axis, so q's)."""
+    kv-head axis and, for a contiguous cache, its batch axis (a paged pool has none); q's
+    axis for a dim where the cache has none, unless the cache splits along that mesh axis."""
     mesh = next((m for m in (getattr(_sharding(x), "mesh", None) for x in (q, k_cache))
                  if m is not None and m.explicit_axes), None)
     if mesh is None:
         return None
-    q_spec, k_spec = (tuple(_input_spec(x) or ()) + (None,) * 4 for x in (q, k_cache))
-    head_axis = k_spec[2] if k_spec[2] is not None else q_spec[2]
-    batch_axis = k_spec[0] if not paged and k_spec[0] is not None else q_spec[0]
-    if set(checks.mesh_axis_names(batch_axis)) & set(checks.mesh_axis_names(head_axis)):
-        head_axis = None  # q and the cache split along one axis differently: the heads whole
+    q_spec, k_spec = (_explicit_spec(x, mesh) for x in (q, k_cache))
+    batch_axis = None if paged else k_spec[0]
+    head_axis = k_spec[2]
+    taken = lambda axis: set(checks.mesh_axis_names(axis)) & set(checks.mesh_axis_names(batch_axis) +
+                                                                  checks.mesh_axis_names(head_axis))
+    # q's axes where the cache has none, unless the cache splits along them otherwise.
+    if batch_axis is None and not taken(q_spec[0]):
+        batch_axis = q_spec[0]
+    if head_axis is None and not taken(q_spec[2]):
+        head_axis = q_spec[2]
     return mesh, batch_axis, head_axis
 
 
@@ -354,9 +366,4 @@ def _place(mesh: Mesh, x, spec):
     """Lays x (an array or a pair of arrays) out as spec on the mesh."""
     if isinstance(x, tuple):
         return tuple(_place(mesh, a, s) for a, s in zip(x, spec))
-    sharding = NamedSharding(mesh, spec)
-    if mesh.explicit_axes:
-        # Explicit-sharding meshes type arrays by their layout; shard_map wants its
-        # inputs typed exactly as its in_specs.
-        return jax.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return checks.place_on_mesh(mesh, x, spec)

@@ -466,8 +466,8 @@ def check_decode_on_explicit_meshes(*, seed, mesh_shape=(2, 2)):
     sinks = jnp.asarray(rng.standard_normal(4), F32)
     layouts = [(P("data"), P("data")), (P(None, None, "model"), P(None, None, "model")),
                (P("data", None, "model"), P("data", None, "model")), (P(), P()),
-               (P("data"), P(None, None, "model"))]  # (q's, the cache's)
-    configs = ((None, None, BF16, layouts), (16, None, F32, layouts[2:]), (16, "page", BF16, layouts[2::2]),
+               (P("data"), P(None, None, "model")), (P("data"), P(None, None, "data"))]  # (q's, the cache's)
+    configs = ((None, None, BF16, layouts), (16, None, F32, layouts[2:5]), (16, "page", BF16, layouts[2::2]),
                (None, "head", F16, layouts[1::3]))
     for page_size, scales, dtype, config_layouts in configs:
         cache = make_cache(rng, 4, 64, 2, FP8 if scales else dtype, page_size=page_size, scales=scales)
@@ -492,8 +492,12 @@ def check_decode_on_explicit_meshes(*, seed, mesh_shape=(2, 2)):
                 check_lse(got_lse, want_lse, dtype)
             spec = tuple(jax.typeof(got_o).sharding.spec) + (None,) * 4
             cache_spec = tuple(cache_spec) + (None,) * 4
-            kept_batch = cache_spec[0] if page_size is None and cache_spec[0] else (tuple(q_spec) + (None,))[0]
-            kept_heads = cache_spec[2] or (tuple(q_spec) + (None,) * 3)[2]
+            # The cache's axes, then q's where the cache has none and does not use them otherwise.
+            q_axes = tuple(q_spec) + (None,) * 4
+            kept_batch = cache_spec[0] if page_size is None else None
+            kept_heads = cache_spec[2]
+            kept_batch = kept_batch or (q_axes[0] if q_axes[0] not in (kept_heads,) else None)
+            kept_heads = kept_heads or (q_axes[2] if q_axes[2] not in (kept_batch,) else None)
             assert (spec[0], spec[2]) == (kept_batch, kept_heads), (q_spec, cache_spec, spec)
         dsinks = jax.jit(jax.grad(lambda s: jnp.sum(step(*args, sinks=s)[0].astype(F32) * q[..., :1])))(sinks)
         check_close(dsinks, want_dsinks, dtype, "dsinks")

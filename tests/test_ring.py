@@ -327,6 +327,9 @@ def test_single_device_ring(make_inputs, reference_vjp, assert_result_close):
         (dict(softcap=-1.0), "softcap must be a finite number > 0"),
         (dict(score_mod=3), "score_mod must be a function"),
         (dict(mask_mod=lambda b, h, q_idx, kv_idx: q_idx), "mask_mod must return a bool"),
+        (dict(load_balance="False"), "load_balance must be a bool"),
+        (dict(return_lse="no"), "return_lse must be a bool"),
+        (dict(mesh=jax.sharding.AbstractMesh((1,), ("sp",))), "needs a jax.sharding.Mesh of devices"),
     ],
 )
 def test_ring_errors(kwargs, message):

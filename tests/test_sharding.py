@@ -16,6 +16,7 @@ import pytest
 import flashjax
 from conftest import check_close, check_lse, check_under_remat_and_vmap
 from flashjax import reference
+from flashjax.ring import ring_attention
 from flashjax.sharding import sharded_flash_attention
 from multidevice import DEVICES, gpus_or_skip, run_on_devices, two_rows_or_skip
 
@@ -216,6 +217,34 @@ def check_mods_on_shards():
 
 def test_mods_on_shards():
     run_on_devices(__file__, "check_mods_on_shards")
+
+
+def check_mixed_meshes(*, seed):
+    """On a mesh of one Explicit and one Auto axis: the ring along either (with the batch
+    along the other), sharded_flash_attention along the Auto one, and eager flash_attention
+    and decode_attention on arrays split along both, against the reference (the per-shard
+    path splits along the Explicit axis; the Auto one is XLA's)."""
+    E, A = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    P, NamedSharding = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((4, 16, 4, 16), dtype=np.float32))
+    want = reference.attention(q, q, q, causal=True)
+    for types in ((E, A), (A, E)):
+        mesh = jax.make_mesh((2, 2), ("data", "sp"), axis_types=types)
+        ring = jax.jit(lambda q: ring_attention(q, q, q, mesh=mesh, axis_name="sp", batch_axis="data", causal=True,
+                                                load_balance=False, backend="xla"))
+        check_close(ring(q), want, jnp.float32, f"ring, axis types {types}")
+        split = jax.jit(lambda q: sharded_flash_attention(q, q, q, mesh=mesh, batch_axis="sp", causal=True))
+        check_close(split(q), want, jnp.float32, f"sharded, axis types {types}")
+    qs = jax.device_put(q, NamedSharding(mesh, P("sp", None, "data")))  # the batch on the Explicit axis
+    check_close(flashjax.flash_attention(qs, qs, qs, causal=True), want, jnp.float32, "eager flash_attention")
+    lengths = jnp.full((4,), 16, jnp.int32)
+    got = flashjax.decode_attention(qs[:, -1:], qs, qs, lengths)
+    check_close(got, want[:, -1:], jnp.float32, "eager decode_attention")
+
+
+def test_mixed_meshes(request):
+    run_on_devices(__file__, "check_mixed_meshes", seed=zlib.crc32(request.node.nodeid.encode()))
 
 
 def check_errors():
