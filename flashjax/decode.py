@@ -60,9 +60,9 @@ def decode_attention(
     Arrays typed on a mesh of Explicit axes (``jax.make_mesh``'s default) run per shard, with
     no collective, along the cache's batch and kv-head axes (q's where the cache has none and
     does not use that mesh axis; a paged pool is split along its kv heads only, since any
-    sequence may own any page):
-    each device reads its own sequences and heads of the cache. Arrays laid out otherwise
-    are resharded to that layout first. On a mesh of Auto axes XLA gathers the inputs.
+    sequence may own any page): each device reads its own sequences and heads of the cache.
+    Arrays laid out otherwise are resharded to that layout first. On a mesh of Auto axes XLA
+    gathers the inputs.
 
     The Triton kernel (``backend="triton"``, what ``auto`` takes where it can) splits each
     sequence's keys over several programs (flash-decoding), reads every K/V byte once per
@@ -252,8 +252,9 @@ def _decode(q, cache: KVCache, sinks, params: DecodeParams, layout):
         from flashjax import sharding
 
         out, lse = sharding.decode_per_shard(step, q, cache, layout)
+        mesh, _, head_axis = layout
         if sinks is not None:  # laid out as the heads of the lse they join
-            sinks = jax.reshard(sinks, jax.sharding.NamedSharding(layout[0], jax.sharding.PartitionSpec(layout[2])))
+            sinks = checks.place_on_mesh(mesh, sinks, jax.sharding.PartitionSpec(head_axis))
     return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
 
 

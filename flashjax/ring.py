@@ -292,7 +292,7 @@ def _check(q, k, v, mesh, axis_name, causal, scale, load_balance, batch_axis, he
     sizes = checks.check_mesh_axes(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
     checks.check_divisible(q, k, sizes)
     n = sizes["axis_name"]
-    checks.check_bool("causal", causal)
+    causal = checks.check_bool("causal", causal)
     if causal and seq_q != seq_k:
         raise ValueError(f"causal ring attention is self-attention: q and k need the same length, got {seq_q} and {seq_k}.")
     zigzag = checks.check_bool("load_balance", load_balance) and causal
