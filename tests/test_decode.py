@@ -139,6 +139,15 @@ CONTIGUOUS = [
 ]
 
 
+@pytest.mark.parametrize("v_head_dim", [192, 320])
+def test_wide_values_with_many_rows_per_kv_head(rng, v_head_dim):
+    """Value head dims that are no power of two (192, 320) with more query rows per kv head
+    than one tile holds (64 heads over one kv head): the query tile's rows are cut to a
+    power of two (32 at 192, 16 at 320), over several tiles."""
+    cache = make_cache(rng, 1, 64, 1, BF16, head_dim=v_head_dim)
+    check(draw_q(rng, 1, 1, 64, BF16, v_head_dim), cache, [50])
+
+
 def test_ragged_cache_tiles(rng):
     """A contiguous cache of any length keeps its tile: the last one is ragged (it ends at the
     cache's end; the keys it shares with the tile before are masked), in every split, with a

@@ -362,6 +362,14 @@ def test_decode_head_dims_lower_to_triton_for_sm90(fake_h100, head_dim, v_head_d
     assert not cache_copies(text, cache_shape, capacity, cache_element, None if latent else v_head_dim)
 
 
+def test_decode_wide_values_over_many_rows_lower_to_triton_for_sm90(fake_h100):
+    """Values 192 wide with 64 query rows per kv head (q_len 2, 32 heads over one kv head):
+    query tiles of 32 rows, the power of two under what the accumulator allows, read in place."""
+    text, cache_shape, capacity = lower_decode("triton", None, jnp.bfloat16, None, 2, None, head_dim=192, kv_heads=1)
+    assert text.count(TRITON_CALL) == 1 and "flashjax_decode" in text
+    assert not cache_copies(text, cache_shape, capacity, "bf16")
+
+
 @pytest.mark.parametrize("q_len,causal,head_dim,page_size", [(1, True, 128, None), (5, False, 128, None),
                                                              (1, True, 192, None), (1, True, 128, 64),
                                                              (3, False, 64, 256), (1, True, 128, 192)])

@@ -269,8 +269,10 @@ def tiling(q, cache: KVCache, splits: int | None, sm_count: int, config: DecodeC
             # A tile within one page is a plain slice; a tile of several pages is a gather,
             # which reads HBM at about two thirds of the rate (64-key pages, H100).
             block_k = min(block_k, page_size)
-    # A query tile's float32 accumulator holds block_q x v_head_dim: narrower tiles for wide values.
-    most_rows = max(16, MAX_BLOCK_Q * 128 // max(v_head_dim, 128))
+    # A query tile's float32 accumulator holds block_q x v_head_dim: narrower tiles for wide values
+    # (a power of two: 32 rows at v_head_dim 192).
+    fitting = MAX_BLOCK_Q * 128 // max(v_head_dim, 128)
+    most_rows = max(16, 1 << (fitting.bit_length() - 1))
     block_q = min(most_rows, max(16, next_power_of_two(q_len * group)))
     t = DecodeTiling(q_len=q_len, group=group, block_q=block_q, block_k=block_k, page_size=page_size, num_splits=1,
                      num_warps=config.num_warps or 4, num_stages=config.num_stages, head_dim=head_dim,
