@@ -92,12 +92,17 @@ def explicit_layout(q, k, v):
     """(mesh, batch_axis, head_axis) when q, k or v is typed on a mesh with Explicit axes (what
     JAX's ``jax.make_mesh`` builds by default), else None: q's batch and head axes, each None
     where q is not split along it."""
-    meshes = [getattr(_sharding(x), "mesh", None) for x in (q, k, v)]
-    mesh = next((m for m in meshes if m is not None and m.explicit_axes), None)
+    mesh = _explicit_mesh(q, k, v)
     if mesh is None:
         return None
     spec = _explicit_spec(q, mesh)
     return mesh, spec[0], spec[2]
+
+
+def _explicit_mesh(*arrays):
+    """The first mesh of Explicit axes one of `arrays` is typed on, else None."""
+    meshes = (getattr(_sharding(x), "mesh", None) for x in arrays)
+    return next((m for m in meshes if m is not None and m.explicit_axes), None)
 
 
 def _explicit_spec(x, mesh) -> tuple:
@@ -112,9 +117,9 @@ def run_on_explicit_layout(q, k, v, layout, kwargs):
     q's batch and head axes (shard_map, as `sharded_flash_attention`), after gathering any
     sequence or head_dim split (what XLA does for a Pallas call on an Auto mesh); with
     neither axis split, every device runs the whole call."""
-    mesh, batch_axis, head_axis, _ = _per_shard(layout, k.shape[2])
+    mesh, batch_axis, head_axis, _ = _per_shard(layout, q.shape[0], k.shape[2])
     spec = P(batch_axis, None, head_axis, None)
-    q, k, v = (jax.reshard(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    q, k, v = (_place(mesh, x, spec) for x in (q, k, v))
     return _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs)
 
 
@@ -122,20 +127,29 @@ def shard_call(call, layout):
     """The `Call` each device makes for `call` on arrays of an Explicit `layout`
     (`run_on_explicit_layout`): its share of the batch and of the heads (the heads whole
     where the kv heads do not divide)."""
-    _, _, _, sizes = _per_shard(layout, call.kv_heads)
-    return dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // sizes["head_axis"],
+    return _device_call(call, layout)[0]
+
+
+def _device_call(call, layout):
+    """(the `Call` or `DecodeCall` one device makes on an Explicit `layout`, the layout it runs
+    on: `_per_shard`'s)."""
+    mesh, batch_axis, head_axis, sizes = _per_shard(layout, call.batch, call.kv_heads)
+    call = dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // sizes["head_axis"],
                                kv_heads=call.kv_heads // sizes["head_axis"])
+    return call, (mesh, batch_axis, head_axis)
 
 
-def _per_shard(layout, kv_heads: int):
+def _per_shard(layout, batch: int, kv_heads: int):
     """(mesh, batch_axis, head_axis, their sizes) of the per-shard call on an Explicit `layout`:
-    the head axis dropped (the heads gathered) where it does not divide the kv heads (MQA)."""
+    an axis whose size does not divide the batch, or the kv heads (MQA), dropped (that dim
+    gathered)."""
     mesh, batch_axis, head_axis = layout
     sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
+    if batch % sizes["batch_axis"]:
+        batch_axis = None
     if kv_heads % sizes["head_axis"]:
         head_axis = None
-        sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=None)
-    return mesh, batch_axis, head_axis, sizes
+    return mesh, batch_axis, head_axis, checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
 
 
 def decode_layout(q, k_cache, paged: bool):
@@ -143,8 +157,7 @@ def decode_layout(q, k_cache, paged: bool):
     mesh of Explicit axes, else None. The layout follows the cache, the largest operand: its
     kv-head axis and, for a contiguous cache, its batch axis (a paged pool has none); q's
     axis for a dim where the cache has none, unless the cache splits along that mesh axis."""
-    mesh = next((m for m in (getattr(_sharding(x), "mesh", None) for x in (q, k_cache))
-                 if m is not None and m.explicit_axes), None)
+    mesh = _explicit_mesh(q, k_cache)
     if mesh is None:
         return None
     q_spec, k_spec = (_explicit_spec(x, mesh) for x in (q, k_cache))
@@ -163,17 +176,8 @@ def decode_layout(q, k_cache, paged: bool):
 def shard_decode_call(call, layout):
     """(the `DecodeCall` each device makes, the layout it runs on) for a decode `call` on an
     Explicit `layout` (`decode_layout`): an axis whose size does not divide the batch, or
-    the heads and kv heads (MQA), is dropped, and that dim is gathered."""
-    mesh, batch_axis, head_axis = layout
-    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
-    if call.batch % sizes["batch_axis"]:
-        batch_axis = None
-    if call.heads % sizes["head_axis"] or call.kv_heads % sizes["head_axis"]:
-        head_axis = None
-    sizes = checks.check_mesh_axes(mesh, batch_axis=batch_axis, head_axis=head_axis)
-    call = dataclasses.replace(call, batch=call.batch // sizes["batch_axis"], heads=call.heads // sizes["head_axis"],
-                               kv_heads=call.kv_heads // sizes["head_axis"])
-    return call, (mesh, batch_axis, head_axis)
+    the kv heads (MQA), is dropped, and that dim is gathered."""
+    return _device_call(call, layout)
 
 
 def decode_per_shard(fn, q, cache, layout):
