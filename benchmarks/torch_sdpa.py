@@ -49,9 +49,10 @@ def _to_torch(torch, x, device):
     return torch.from_numpy(bits).view(torch.bfloat16).permute(0, 2, 1, 3).contiguous().to(device)
 
 
-def _rows_to_numpy(x, rows: int):
-    """The last `rows` query rows of batch row 0 of a torch [B, H, T, D] as float32 numpy [1, rows, H, D]."""
-    return x[:1, :, -rows:].detach().float().permute(0, 2, 1, 3).cpu().numpy()
+def _rows_to_numpy(x, rows: int | None = None):
+    """The last `rows` (default all) rows of batch row 0 of a torch [B, H, T, D] as float32 numpy [1, rows, H, D]."""
+    x = x[:1] if rows is None else x[:1, :, -rows:]
+    return x.detach().float().permute(0, 2, 1, 3).cpu().numpy()
 
 
 def _attention_fn(torch, cell, q, k, v):
@@ -95,7 +96,8 @@ def run_cell(torch, cell, reps: int, checker: benchmark.Checker) -> dict:
         with grad_ctx():
             result = call()
         rows = min(benchmark.CHECK_ROWS, cell.seq)
-        got = _rows_to_numpy(result, rows) if cell.mode == "fwd" else (_rows_to_numpy(result[0], rows),)
+        got = (_rows_to_numpy(result, rows) if cell.mode == "fwd"
+               else (_rows_to_numpy(result[0], rows), _rows_to_numpy(result[1]), _rows_to_numpy(result[2])))
         errors = checker.check(cell, got, *inputs)
         fields = dict(rel_err=errors, note=note)
         del result, got

@@ -14,8 +14,9 @@ one protocol:
   (`flashjax.reference`) before it is timed: the output, or dq for forward+backward,
   on the last `CHECK_ROWS` query rows of batch row 0 (rows of bottom-right aligned
   causal attention depend only on their own query, so a slice of the real problem is
-  an exact check). A relative (Frobenius) error of `TOLERANCE` or more marks the cell
-  "mismatch" and it is not timed.
+  an exact check), and for forward+backward dk and dv of batch row 0's first kv heads
+  (over every query row, by chunks of rows). A relative (Frobenius) error of
+  `TOLERANCE` or more in any of them marks the cell "mismatch" and it is not timed.
 * **Timing**: two warm-up calls, then the median of >= 10 repetitions of a few
   back-to-back calls (more for short calls, to hide launch gaps) ended by
   ``block_until_ready``.
@@ -91,8 +92,15 @@ def cell_key(config: str, seq: int, causal: bool, mode: str, impl: str) -> str:
 
 
 def flops(batch, heads, seq_q, seq_k, head_dim, causal, mode="fwd") -> float:
-    """4*B*H*Tq*Tk*D forward, halved if causal; x3.5 for forward+backward."""
-    fwd = 4.0 * batch * heads * seq_q * seq_k * head_dim / (2.0 if causal else 1.0)
+    """4*B*H*Tq*Tk*D forward, halved if causal; x3.5 for forward+backward.
+
+    Causal attention is aligned bottom-right, so with Tq != Tk the pairs counted are
+    Tq*Tk - Tq^2/2 (Tq <= Tk: every query sees the keys before the last Tq, and half of
+    those) or Tk^2/2 (Tq > Tk: the first Tq - Tk queries see no key); Tq = Tk gives T^2/2."""
+    pairs = float(seq_q) * seq_k
+    if causal:
+        pairs = pairs - seq_q * seq_q / 2.0 if seq_q <= seq_k else seq_k * seq_k / 2.0
+    fwd = 4.0 * batch * heads * pairs * head_dim
     return fwd * (3.5 if mode == "fwdbwd" else 1.0)
 
 
@@ -215,42 +223,95 @@ def compile_cell(cell: Cell, fn, args, operands=None):
 
 
 class Checker:
-    """The float32 reference on the last CHECK_ROWS query rows of batch row 0, per problem."""
+    """The float32 reference, per problem: the output or dq on the last CHECK_ROWS query rows
+    of batch row 0, and dk, dv of batch row 0's first kv heads from every query row."""
 
     def __init__(self):
         self._cache = {}
 
-    def expected(self, cell: Cell, q, k, v, do):
-        import jax
+    def _problem(self, cell: Cell, q, k, v, do):
+        """(rows, heads, kv_heads, slices): the checked heads and the float32 slices of batch row 0."""
         import jax.numpy as jnp
-
-        from flashjax import reference
 
         key = (cell.config, cell.seq, cell.causal, cell.mode, cell.tokens)
         if key not in self._cache:
-            rows = min(CHECK_ROWS, cell.seq)
             kv_heads = min(cell.kv_heads, 2)
             heads = kv_heads * (cell.heads // cell.kv_heads)
             f32 = lambda x: x.astype(jnp.float32)
-            qs, dos = f32(q[:1, -rows:, :heads]), f32(do[:1, -rows:, :heads])
-            ks, vs = f32(k[:1, :, :kv_heads]), f32(v[:1, :, :kv_heads])
+            slices = f32(q[:1, :, :heads]), f32(k[:1, :, :kv_heads]), f32(v[:1, :, :kv_heads]), f32(do[:1, :, :heads])
+            self._cache = {key: dict(rows=min(CHECK_ROWS, cell.seq), heads=heads, kv_heads=kv_heads, slices=slices)}
+        return self._cache[key]
+
+    def expected(self, cell: Cell, q, k, v, do):
+        """(rows, heads, out, dq): the reference's output and dq (None in fwd) on the checked rows."""
+        import jax
+
+        from flashjax import reference
+
+        problem = self._problem(cell, q, k, v, do)
+        if "expected" not in problem:
+            rows = problem["rows"]
+            qs, ks, vs, dos = problem["slices"]
 
             # Causal attention is aligned bottom-right: the last `rows` queries against
             # all keys see exactly the keys they see in the full problem.
             def ref(q_):
                 return reference.attention(q_, ks, vs, causal=cell.causal, scale=cell.scale)
 
-            out, vjp = jax.vjp(ref, qs)
-            dq = vjp(dos)[0] if cell.mode == "fwdbwd" else None
-            self._cache = {key: (rows, heads, np.asarray(out), None if dq is None else np.asarray(dq))}
-        return self._cache[key]
+            out, vjp = jax.vjp(ref, qs[:, -rows:])
+            dq = vjp(dos[:, -rows:])[0] if cell.mode == "fwdbwd" else None
+            problem["expected"] = dict(rows=rows, out=np.asarray(out), dq=None if dq is None else np.asarray(dq))
+        e = problem["expected"]
+        return e["rows"], problem["heads"], e["out"], e["dq"]
+
+    def expected_kv_grads(self, cell: Cell, q, k, v, do):
+        """(kv_heads, dk, dv): the reference's dk, dv [1, Tk, kv_heads, D] of batch row 0.
+
+        dk and dv sum over every query row, so no slice of rows checks them; the reference
+        runs over chunks of query rows (each chunk's vjp is its rows' share), never holding
+        more than a chunk's scores."""
+        import jax
+        import jax.numpy as jnp
+
+        from flashjax import reference
+
+        problem = self._problem(cell, q, k, v, do)
+        if "kv_grads" not in problem:
+            qs, ks, vs, dos = problem["slices"]
+            seq_q, seq_k = qs.shape[1], ks.shape[1]
+            chunk = math.gcd(seq_q, 512)
+
+            def share(grads, start):
+                q_rows = jax.lax.dynamic_slice_in_dim(qs, start, chunk, 1)
+                do_rows = jax.lax.dynamic_slice_in_dim(dos, start, chunk, 1)
+                mask = None
+                if cell.causal:  # the chunk's own positions, bottom-right aligned as in the call
+                    rows = start + jnp.arange(chunk)
+                    mask = (jnp.arange(seq_k)[None, :] <= rows[:, None] + (seq_k - seq_q))[None, None]
+                attend = lambda k_, v_: reference.attention(q_rows, k_, v_, mask=mask, scale=cell.scale)
+                dk, dv = jax.vjp(attend, ks, vs)[1](do_rows)
+                return (grads[0] + dk, grads[1] + dv), None
+
+            # The reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
+            options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+            program = jax.jit(lambda: jax.lax.scan(share, (jnp.zeros_like(ks), jnp.zeros_like(vs)),
+                                                   jnp.arange(0, seq_q, chunk))[0])
+            dk, dv = program.lower().compile(options)()
+            problem["kv_grads"] = np.asarray(dk), np.asarray(dv)
+        return (problem["kv_heads"], *problem["kv_grads"])
 
     def check(self, cell: Cell, result, q, k, v, do) -> dict:
-        """Relative errors {name: err} of the cell's output (fwd) or dq (fwd+bwd)."""
+        """Relative errors {name: err}: of the output (fwd); of dq and, where `result` holds
+        them, dk and dv (fwd+bwd; `result` is (dq,) or (dq, dk, dv), each full-size or the
+        checked slice)."""
         rows, heads, out, dq = self.expected(cell, q, k, v, do)
         if cell.mode == "fwd":
             return {"out": rel_err(result[:1, -rows:, :heads], out)}
-        return {"dq": rel_err(result[0][:1, -rows:, :heads], dq)}
+        errors = {"dq": rel_err(result[0][:1, -rows:, :heads], dq)}
+        if len(result) == 3:
+            kv_heads, dk, dv = self.expected_kv_grads(cell, q, k, v, do)
+            errors.update(dk=rel_err(result[1][:1, :, :kv_heads], dk), dv=rel_err(result[2][:1, :, :kv_heads], dv))
+        return errors
 
 
 # ---- results files --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -198,6 +199,39 @@ def test_variants_smoke(tmp_path):
             assert row["flashjax_mosaic_fwd_status"] == "unsupported" and row["fa3_fwd_status"] == "unsupported"
     table = _script("plot").variants_markdown(json.loads(out.read_text()))
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_checker_catches_wrong_kv_gradients(causal):
+    """The harness's check of forward+backward covers dk and dv (whole sequence, by chunks of
+    query rows), not only dq: exact gradients pass, a dk or dv off by 5% is caught."""
+    cell = benchmark.Cell("d32", 4, 2, 32, 1536, causal, "fwdbwd", "flashjax", tokens=3072)  # B = 2, chunks of 512
+    q, k, v, do = benchmark.make_inputs(cell, seed=3, dtype=jnp.float32)
+    from flashjax import reference
+
+    exact = jax.grad(lambda q, k, v: jnp.sum(reference.attention(q, k, v, causal=causal) * do), argnums=(0, 1, 2))(q, k, v)
+    checker = benchmark.Checker()
+    errors = checker.check(cell, exact, q, k, v, do)
+    assert set(errors) == {"dq", "dk", "dv"} and max(errors.values()) < 1e-5, errors
+    for wrong in (1, 2):
+        grads = list(exact)
+        grads[wrong] = grads[wrong].at[:, :200].multiply(1.05)  # early keys: no checked query row's dq sees this
+        errors = checker.check(cell, tuple(grads), q, k, v, do)
+        assert errors["dq"] < 1e-5 and errors[("dk", "dv")[wrong - 1]] > 1e-3, errors
+    assert set(checker.check(cell, exact[:1], q, k, v, do)) == {"dq"}  # a peer that returns dq alone
+
+
+def test_flops_of_causal_calls_with_other_query_lengths():
+    """Bottom-right causal pairs: Tq*Tk - Tq^2/2 (Tq <= Tk), Tk^2/2 (Tq > Tk), T^2/2 when square."""
+    per_pair = 4 * 2 * 3 * 64  # 4 * B * H * D
+    assert benchmark.flops(2, 3, 1024, 4096, 64, True) == per_pair * (1024 * 4096 - 1024 ** 2 / 2)
+    assert benchmark.flops(2, 3, 4096, 1024, 64, True) == per_pair * 1024 ** 2 / 2
+    assert benchmark.flops(2, 3, 4096, 4096, 64, True, "fwdbwd") == 3.5 * per_pair * 4096 ** 2 / 2
+    assert benchmark.flops(2, 3, 1024, 4096, 64, False) == per_pair * 1024 * 4096
+    # Against a count of the visible pairs (the protocol's halving of the square's triangle).
+    tq, tk = 48, 80
+    visible = sum(min(tk, max(0, i + tk - tq + 1)) for i in range(tq))
+    assert abs(benchmark.flops(1, 1, tq, tk, 1, True) / 4 - visible) <= tq / 2
 
 
 def test_inner_calls():
