@@ -733,7 +733,8 @@ def _with_refs(eqn, ins) -> list:
     if read == "element":
         # dynamic_slice clamps its start into the array: for one element, to [0, dim - 1].
         array = ins[0]
-        index = [lax.clamp(0, jnp.asarray(i, jnp.int32), d - 1) for i, d in zip(ins[1:], array.shape)]
+        index = [lax.clamp(jnp.int32(0), jnp.asarray(i, jnp.int32), jnp.int32(d - 1))  # int32 under x64 too
+                 for i, d in zip(ins[1:], array.shape)]
         return [array.load(index).reshape((1,) * len(array.shape))]
     if read == "gather":
         return [_point_gather(eqn, ins[0], ins[1])]

@@ -17,7 +17,7 @@ import pytest
 from conftest import check_close
 
 import flashjax
-from flashjax import reference
+from flashjax import mods, reference
 
 BACKENDS = ["triton", "xla"]
 
@@ -136,25 +136,33 @@ def test_float32_residual_keeps_peaked_gradients_accurate(make_inputs, dtype, lo
 @pytest.mark.parametrize("backend", ["triton", "xla"])
 def test_x64_mode_with_32_bit_inputs(backend):
     """With ``jax_enable_x64`` on (as scientific code sets it), float32 calls with every kind of
-    mask give the same output and gradients as with it off; so does a paged decode step."""
+    mask give the same output and gradients as with it off, and so do score_mod / mask_mod
+    that read closed-over arrays (a table, per-sequence prefixes, ALiBi's slopes); so does a
+    paged decode step."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 37, 4, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, 45, 2, 16)), jnp.float32) for _ in range(2))
     ids = (jnp.asarray(np.repeat([[0, 1]], [20, 17], axis=1).repeat(2, 0), jnp.int32),
            jnp.asarray(np.repeat([[0, 1]], [25, 20], axis=1).repeat(2, 0), jnp.int32))
-    options = dict(causal=True, window=(9, None), softcap=3.0, sinks=jnp.ones(4), kv_lengths=jnp.array([30, 45]),
-                   segment_ids=ids, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(1))
+    table = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    options = [
+        dict(causal=True, window=(9, None), softcap=3.0, sinks=jnp.ones(4), kv_lengths=jnp.array([30, 45]),
+             segment_ids=ids, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(1)),
+        dict(score_mod=lambda s, b, h, i, j: s + table[h, j % 5], mask_mod=mods.prefix_lm(jnp.array([12, 30]))),
+        dict(score_mod=mods.alibi(jnp.linspace(0.1, 0.4, 4)), causal=True),
+    ]
 
-    def run():
+    def run(options):
         f = lambda q, k, v: flashjax.flash_attention(q, k, v, backend=backend, **options)
         return f(q, k, v), jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v)
 
-    want = run()
-    with jax.enable_x64(True):
-        got = run()
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert g.dtype == w.dtype
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    for case in options:
+        want = run(case)
+        with jax.enable_x64(True):
+            got = run(case)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
     pool = jnp.asarray(rng.standard_normal((9, 16, 2, 16)), jnp.float32)
     table = jnp.asarray(rng.permutation(9)[:8].reshape(2, 4), jnp.int32)

@@ -783,3 +783,26 @@ def test_lowers_for_sm90_under_x64(on_hopper, backend, options):
     with jax.enable_x64(True):
         text = lower_for_cuda(loss, q, kv, kv)
     assert (MOSAIC_CALL if backend == "mosaic" else TRITON_CALL) in text
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_x64_mode_lowers_for_sm90(on_hopper, backend):
+    """With ``jax_enable_x64`` on, 32-bit calls with closed-over arrays in the mods (per-head
+    slopes, per-sequence prefixes), masks and sinks lower for sm_90, forward and backward: the
+    kernels' index arithmetic stays int32."""
+    import flashjax
+    from flashjax import mods
+
+    slopes = jnp.linspace(-0.1, 0.1, 4, dtype=jnp.float32)
+    q = jax.ShapeDtypeStruct((2, 300, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 517, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = flashjax.flash_attention(q, k, v, backend=backend, causal=True, window=(200, None),
+                                     kv_lengths=jnp.array([517, 400], jnp.int32), sinks=jnp.zeros(4, jnp.float32),
+                                     score_mod=lambda s, b, h, i, j: s + slopes[h] * (i - j),
+                                     mask_mod=mods.prefix_lm(jnp.array([12, 30], jnp.int32)))
+        return jnp.sum(o.astype(jnp.float32))
+
+    with jax.enable_x64(True):
+        lower_for_cuda(loss, q, kv, kv)
