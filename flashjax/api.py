@@ -142,7 +142,8 @@ def flash_attention(
       dropout_rate, dropout_rng: dropout on the attention probabilities, drawn in the
         kernel from a counter-based hash of (seed, batch, head, row, column), so the
         backward regenerates the same mask and nothing N x N is stored (16 random bits
-        per weight: the rate is drawn as a multiple of 2**-16). The rate is a static
+        per weight: the rate is drawn as a multiple of 2**-16, and kept weights are
+        scaled by 1 / P(keep) of the rate as drawn, so dropout is unbiased). The rate is a static
         Python number; the rng a ``jax.random`` key.
       broadcast_dropout: one dropout mask shared by every batch row and head
         (Flax's ``broadcast_dropout=True``).

@@ -13,7 +13,9 @@ counter. Keys k and k + 64 of each 128-key block share a draw and take one 16-bi
 half each (`PAIR_BLOCK`): a kernel whose tile holds both keys in one thread's
 registers (the Hopper forward and dQ kernels, 128-key tiles) hashes once per two
 weights; the others draw per key and pick the half, the same bits. The drop rate
-is rounded to a multiple of 2**-16.
+is rounded to a multiple of 2**-16, and kept weights are scaled by the reciprocal of
+the probability of keeping one (`keep_scale`), so that dropout leaves every weight's
+expectation unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["seed_words", "keep_mask", "tile_keep", "keep_threshold", "PAIR_BLOCK"]
+__all__ = ["seed_words", "keep_mask", "tile_keep", "keep_threshold", "keep_scale", "PAIR_BLOCK"]
 
 _GOLDEN = 0x9E3779B9
 # Keys k and k + PAIR_BLOCK // 2 of each PAIR_BLOCK-key block (aligned) share a 32-bit draw:
@@ -58,6 +60,12 @@ def keep_threshold(rate: float) -> int:
     """An element is kept when its 16 random bits are >= this (P(keep) = 1 - rate, the rate
     rounded to a multiple of 2**-16, at most 1 - 2**-16)."""
     return min(int(round(rate * (1 << 16))), (1 << 16) - 1)
+
+
+def keep_scale(rate: float) -> float:
+    """The factor of a kept weight: 1 / P(keep) for the rate as drawn (`keep_threshold`), so
+    the expectation of a weight is unchanged; 1 / (1 - rate) to within 2**-17 / (1 - rate)."""
+    return float(1 << 16) / ((1 << 16) - keep_threshold(rate))
 
 
 def seed_words(rng):

@@ -204,7 +204,7 @@ def attention(
     if dropout_rate > 0.0:
         seed = dropout.seed_words(dropout_rng) if dropout_seed is None else dropout_seed
         keep = dropout.keep_mask(seed, dropout_rate, batch, heads, seq_q, seq_k, broadcast=broadcast_dropout)
-        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+        probs = jnp.where(keep, probs * dropout.keep_scale(dropout_rate), 0.0)
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd", probs.reshape(batch, kv_heads, group, seq_q, seq_k), vf, precision=hp
     ).reshape(batch, seq_q, heads, v_head_dim)

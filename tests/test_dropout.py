@@ -235,6 +235,25 @@ def test_keep_threshold_rounds_the_rate_to_16_bits():
     assert dropout.keep_threshold(1 - 2**-20) == 2**16 - 1  # never a threshold that drops every key
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.9, 1 - 1e-5, 1 - 1e-6])
+def test_kept_weights_are_scaled_by_the_rate_as_drawn(rate, key):
+    """A kept weight is scaled by 1 / P(keep) of the rate rounded to 16 bits, so that a weight's
+    expectation is unchanged: at a rate of 1 - 1e-5, 1 / (1 - rate) would make it 0.65."""
+    keep_probability = (2**16 - dropout.keep_threshold(rate)) / 2**16
+    assert dropout.keep_scale(rate) * keep_probability == pytest.approx(1.0, rel=1e-15)
+    assert dropout.keep_scale(rate) == pytest.approx(1 / (1 - rate), rel=2**-16 / (1 - rate))
+    # The reference and the kernels scale alike: q = 0 (uniform weights) and v = 1 make each
+    # output row (number kept) * keep_scale / Tk.
+    q = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    v = jnp.ones((1, 64, 2, 16), jnp.float32)
+    rng = jax.random.fold_in(key, 2)
+    keep = np.asarray(dropout.keep_mask(dropout.seed_words(rng), rate, 1, 2, 64, 64))
+    want = keep.sum(-1).transpose(0, 2, 1) * dropout.keep_scale(rate) / 64  # [1, Tq, H]
+    for backend in ("triton", "xla"):
+        o = flashjax.flash_attention(q, q, v, dropout_rate=rate, dropout_rng=rng, backend=backend)
+        np.testing.assert_allclose(np.asarray(o)[..., 0], want, rtol=1e-6, err_msg=backend)
+
+
 @pytest.fixture
 def rbg_default():
     """JAX's default PRNG implementation set to rbg (raw keys uint32[4]) for one test."""

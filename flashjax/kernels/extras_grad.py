@@ -90,7 +90,7 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
         if params.dropout_rate > 0.0:
             keep = dropout.keep_mask(extras.dropout_seed, params.dropout_rate, batch, heads, seq_q, seq_k,
                                      broadcast=params.broadcast_dropout, rows=rows)
-            dp = jnp.where(keep, dp / (1.0 - params.dropout_rate), 0.0)
+            dp = jnp.where(keep, dp * dropout.keep_scale(params.dropout_rate), 0.0)
         (grads,) = pullback(p * (dp - delta_c[..., None]))
         return jax.tree.map(jnp.add, total, grads)
 

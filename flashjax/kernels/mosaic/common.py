@@ -116,8 +116,8 @@ class Tiling:
 
     @property
     def keep_scale(self) -> float:
-        """The factor of a kept weight: 1 / (1 - dropout_rate)."""
-        return 1.0 / (1.0 - self.dropout_rate)
+        """The factor of a kept weight: `flashjax.dropout.keep_scale` (1 / P(keep))."""
+        return dropout.keep_scale(self.dropout_rate)
 
 
 class OptionalInputs(NamedTuple):

@@ -132,7 +132,8 @@ class Scorer:
     # ---- dropout ----------------------------------------------------------------------
     @property
     def keep_scale(self) -> float:
-        return 1.0 / (1.0 - self.dropout_rate)
+        """The factor of a kept weight: `flashjax.dropout.keep_scale` (1 / P(keep))."""
+        return dropout.keep_scale(self.dropout_rate)
 
     def dropout_base(self, seed_ref, batch, head, heads: int):
         """The random stream of one (batch, head); one shared stream with broadcast_dropout."""
