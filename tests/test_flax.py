@@ -471,6 +471,33 @@ def test_sow_weights_raises(key):
         ours(x, sow_weights=True)
 
 
+def test_misused_arguments_raise_as_in_flax(key):
+    """A negative dropout rate raises (also where no dropout runs: with deterministic=True and
+    in cache decoding), as Flax's MultiHeadAttention does, rather than passing as no dropout;
+    so do values given without keys."""
+    x, _, _ = _case("self", key)
+    flax_mha, ours = _nnx_pair(key, dropout_rate=-0.1)
+    with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+        ours(x, deterministic=True)
+    nnx_module = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, dropout_rate=-0.1,
+                                                deterministic=True, rngs=nnx.Rngs(0))
+    linen_module = fj_linen.FlashMultiHeadAttention(num_heads=HEADS, dropout_rate=-0.1, deterministic=True)
+    with pytest.raises(ValueError, match="dropout_rate must be in"):
+        nnx_module(x)
+    with pytest.raises(ValueError, match="dropout_rate must be in"):
+        linen_module.init(key, x)
+    nnx_module.init_cache(x.shape)
+    with pytest.raises(ValueError, match="dropout_rate must be in"):
+        nnx_module(x[:, :1], decode=True)
+
+    nnx_module = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="inputs_k` cannot be None"):
+        nnx_module(x, None, x)
+    linen_module = fj_linen.FlashMultiHeadAttention(num_heads=HEADS)
+    with pytest.raises(ValueError, match="inputs_k` cannot be None"):
+        linen_module.init(key, x, None, x)
+
+
 def test_make_attention_fn_options(key, assert_close):
     """Static options through the factory: causal (bottom-right) and the xla backend."""
     x, _, mask = _case("causal", key)

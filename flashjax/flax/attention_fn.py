@@ -219,6 +219,7 @@ def _attention_fn(
             tril = jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None]
             mask = tril if mask is None else jnp.logical_and(mask, tril)
 
+    check_dropout_rate(dropout_rate)
     use_dropout = not deterministic and dropout_rate > 0.0
     if use_dropout and dropout_rng is None:
         raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False.")
@@ -247,6 +248,13 @@ def _attention_fn(
 
 attention_fn = make_attention_fn()
 attention_fn.__doc__ = _attention_fn.__doc__
+
+
+def check_dropout_rate(dropout_rate) -> None:
+    """Raises for a rate outside [0, 1), as Flax does, also where no dropout runs (a negative
+    rate would otherwise pass as no dropout)."""
+    if not 0.0 <= float(dropout_rate) < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}.")
 
 
 def _pair_to_4d(name, x, batch_dims, heads, seq_q, seq_k):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashjax.decode import decode_attention, explain_decode
-from flashjax.flax.attention_fn import _attention_fn
+from flashjax.flax.attention_fn import _attention_fn, check_dropout_rate
 
 __all__ = ["head_dim_of", "update_cache", "paged_cache_layout", "update_paged_cache", "decode_step", "default_inputs", "attend"]
 
@@ -139,7 +139,11 @@ def decode_step(module, query, cached_key, cached_value, kv_length, page_table=N
 
 
 def default_inputs(inputs_q, inputs_k, inputs_v):
-    """Self-attention defaults: keys from the queries' input, values from the keys'."""
+    """Self-attention defaults: keys from the queries' input, values from the keys'. Values
+    without keys are refused, as Flax refuses them (they would pair the queries' input as
+    keys with other values)."""
+    if inputs_k is None and inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None: pass the keys' input too.")
     inputs_k = inputs_q if inputs_k is None else inputs_k
     return inputs_q, inputs_k, inputs_k if inputs_v is None else inputs_v
 
@@ -159,6 +163,7 @@ def attend(module, query, key, value, *, mask, bias, dropout_rng, deterministic,
     Returns:
       (output [batch..., q_len, heads, head_dim], the updated cache or None).
     """
+    check_dropout_rate(module.dropout_rate)
     kv_length, causal, new_cache = None, module.causal, None
     if cache is not None and len(cache) == 4:  # paged
         if not (mask is None and bias is None and deterministic):
