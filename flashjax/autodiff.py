@@ -7,7 +7,9 @@ attention merges partial results through their lse), and so are the bias, the si
 and the float arrays a score_mod closes over.
 
 A backend whose forward is plain JAX (`Backend.differentiable`, the reference) is
-differentiated by JAX instead, when it also runs the backward.
+differentiated by JAX instead, when it also runs the backward. The kernels are
+differentiated once: a second derivative (grad of grad, a Hessian-vector product)
+would differentiate the kernels themselves, and raises a clear error instead.
 """
 
 from __future__ import annotations
@@ -52,18 +54,38 @@ def _attention(q, k, v, extras: Extras, params: AttentionParams):
     return o.astype(q.dtype), lse
 
 
+def _first_order_only(fn, backend_name: str):
+    """`fn` (a kernel call inside the VJP's forward or backward) as is, or, for a kernel
+    backend, behind a JVP rule that raises: differentiating the VJP itself (a second
+    derivative) would differentiate the Pallas kernels, which have no derivative rules."""
+    if backends.get(backend_name).differentiable:
+        return fn
+
+    def refuse(primals, tangents):
+        raise NotImplementedError(
+            f"second derivatives of attention (grad of grad, jvp of grad, Hessians) are not available on "
+            f"backend={backend_name!r}: its kernels are differentiated once, by flashjax's custom VJP. Use "
+            "backend='xla' (the reference, differentiable to any order) for higher-order derivatives.")
+
+    wrapped = jax.custom_jvp(fn)
+    wrapped.defjvp(refuse)
+    return wrapped
+
+
 def _attention_fwd(q, k, v, extras: Extras, params: AttentionParams):
     # With params.float32_residual the forward's o is float32: the backward's delta =
     # rowsum(dO * O) then does not see O's rounding to the input dtype.
-    o, lse = backends.get(params.backend).forward(q, k, v, extras, params, params.config)
+    forward = functools.partial(backends.get(params.backend).forward, params=params, config=params.config)
+    o, lse = _first_order_only(forward, params.backend)(q, k, v, extras)
     return (o.astype(q.dtype), lse), (q, k, v, extras, o, lse)
 
 
 def _attention_bwd(params: AttentionParams, residuals, cotangents):
     q, k, v, extras, o, lse = residuals
     do, dlse = cotangents
-    backward = backends.get(params.backward_backend).backward
-    dq, dk, dv, dextras = backward(q, k, v, o, lse, do, dlse, extras, params, params.backward_config)
+    backward = functools.partial(backends.get(params.backward_backend).backward, params=params,
+                                 config=params.backward_config)
+    dq, dk, dv, dextras = _first_order_only(backward, params.backward_backend)(q, k, v, o, lse, do, dlse, extras)
     # The differentiable extras: the bias, the sinks and the float arrays score_mod closes
     # over; None marks zero cotangents (and those of every other input).
     cast = lambda g, x: None if g is None else g.astype(x.dtype)

@@ -180,3 +180,24 @@ def test_xla_backend_takes_forward_mode_and_second_derivatives():
     eps = 1e-3
     fd = (jax.grad(loss)(q + eps * t) - jax.grad(loss)(q - eps * t)) / (2 * eps)
     np.testing.assert_allclose(hvp, fd, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True, "bias": "bias"}, {"score_mod": "halve"}])
+def test_second_derivatives_on_the_kernels_raise_a_clear_error(options):
+    """Grad of grad and a Hessian-vector product through the kernels raise an error that names
+    backend="xla" (the kernels have no derivative rules of their own; JAX's message was an
+    assertion inside Pallas), and the first-order gradient is unchanged by the guard."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    q, k, t = (jax.random.normal(key, (1, 21, 2, 16), jnp.float32) for key in ks)
+    extra = {"causal": options.get("causal", False)}
+    if "bias" in options:
+        extra["bias"] = jax.random.normal(ks[0], (1, 2, 21, 21))
+    if "score_mod" in options:
+        extra["score_mod"] = lambda s, b, h, i, j: 0.5 * s
+    loss = lambda q, backend: jnp.sum(jnp.sin(flashjax.flash_attention(q, k, k, backend=backend, **extra)))
+    for backend in ("triton", "auto"):
+        with pytest.raises(NotImplementedError, match="second derivatives.*backend='xla'"):
+            jax.grad(lambda q: jnp.sum(jax.grad(loss)(q, backend) ** 2))(q)
+        with pytest.raises(NotImplementedError, match="second derivatives.*backend='xla'"):
+            jax.jvp(lambda q: jax.grad(loss)(q, backend), (q,), (t,))
+        np.testing.assert_allclose(jax.grad(loss)(q, backend), jax.grad(loss)(q, "xla"), rtol=1e-5, atol=1e-6)
