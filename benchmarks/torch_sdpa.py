@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = benchmark.record(cell, "unavailable", error="torch sees no CUDA device")
         else:
             entry = run_cell(torch, cell, args.reps, checker)
+        entry["torch"] = torch.__version__  # on each cell: the JAX sweep merges cells, not this file's header
         entries[cell.key] = entry
         mark = f"{entry['tflops']:.0f} TFLOP/s" if entry["status"] == "ok" else f"{entry['status']} {entry.get('error', '')[:100]}"
         print(f"torch_fa2 {cell.key}: {mark}", file=sys.stderr, flush=True)

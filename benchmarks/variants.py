@@ -20,7 +20,8 @@ is backend="mosaic" (the Hopper kernels); a backend that does not support a vari
 (`flashjax.explain` says why) is recorded as unsupported, so variants appear in the
 Mosaic column as that backend gains them. The peers, where they have the variant:
 `cudnn`, `fa3` (flash-attn3-jax's flash_mha) and `tokamax` (tokamax.dot_product_attention
-with its default implementation); a peer that is not installed is recorded as unsupported.
+with its default implementation); a peer that is not installed is recorded as unavailable
+("not run" in the tables), apart from one that lacks the variant (unsupported, "n/a").
 
 Measured with `flashjax.benchmark` (its docstring has the protocol): each
 implementation's output (forward) or dq (forward+backward) is first checked against
@@ -145,7 +146,7 @@ def cases(quick: bool, smoke: bool = False, only: str | None = None) -> list[Cas
     seqs = (256, 512) if smoke else (4096, 8192, 16384) if quick else (4096, 8192, 16384, 32768, 65536)
     for left, lengths in ((window, seqs), (long_window, seqs[-1:] if smoke else seqs[2:])):
         for seq in lengths:
-            visible = min(1.0, (left + 1) / seq)  # roughly: each query sees <= left + 1 keys
+            visible = causal_window_fraction(left, seq)
             out.append(Case(f"window {left} causal", seq, 1, dict(window=(left, 0), causal=True),
                             dict(local_window_size=(left, 0), is_causal=True), visible,
                             fa3=dict(is_causal=True, window_size=(left, 0)), baseline="full causal"))
@@ -163,6 +164,13 @@ def cases(quick: bool, smoke: bool = False, only: str | None = None) -> list[Cas
         out.append(Case("alibi causal", seq, batch, dict(alibi_slopes=slopes, causal=True), None, 0.5,
                         baseline="full causal"))
     return [dataclasses.replace(c, heads=heads, head_dim=head_dim) for c in out if wanted(c.name, c.seq)]
+
+
+def causal_window_fraction(left: int, seq: int) -> float:
+    """The fraction of the [seq, seq] pairs a causal window of `left` keys scores: query i sees
+    min(i, left) + 1 keys, (left + 1) * seq - left * (left + 1) / 2 pairs in all (left < seq)."""
+    left = min(left, seq - 1)
+    return ((left + 1) * seq - left * (left + 1) / 2) / seq**2
 
 
 def cell(case: Case, mode: str, impl: str) -> benchmark.Cell:
@@ -188,7 +196,7 @@ def implementation(case: Case, impl: str, q, k, v):
             try:
                 peer = importlib.import_module("flash_attn3_jax" if impl == "fa3" else "tokamax")
             except ImportError as e:
-                raise NotImplementedError(f"{impl} is not installed ({e})") from None
+                raise ImportError(f"{impl} is not installed ({e})") from None
             call = peer.flash_mha if impl == "fa3" else peer.dot_product_attention
     else:
         options = case.options
@@ -281,6 +289,8 @@ def measure(case: Case, impl: str, mode: str, args, checker: VariantChecker, rep
         fn, arrays = implementation(case, impl, *args[:3])
     except NotImplementedError as e:
         return dict(status="unsupported", error=benchmark.short_error(e))
+    except ImportError as e:
+        return dict(status="unavailable", error=benchmark.short_error(e))
     try:
         compiled, _ = benchmark.compile_cell(c, fn, args, operands=arrays)
         errors = checker.check(case, mode, compiled(*args), *args)
@@ -293,7 +303,7 @@ def measure(case: Case, impl: str, mode: str, args, checker: VariantChecker, rep
     return dict(status="ok", ms=median * 1e3, dense_tflops=dense / median / 1e12, rel_err=errors)
 
 
-MARKS = {"unsupported": "n/a", "mismatch": "MISMATCH", "error": "err", "oom": "oom"}
+MARKS = {"unsupported": "n/a", "unavailable": "not run", "mismatch": "MISMATCH", "error": "err", "oom": "oom"}
 
 
 def _line(row: dict) -> str:

@@ -181,8 +181,9 @@ def test_flex_smoke(tmp_path, capsys):
 
 def test_variants_smoke(tmp_path):
     """benchmarks/variants.py --smoke on a few rows: checked and timed on the Triton kernels,
-    the Hopper kernels and the peers recorded as unsupported here, a second run merged into
-    the first's file, and the README table rendered from it."""
+    the Hopper kernels recorded as unsupported here, FlashAttention-3 as unavailable where it
+    has the variant (not installed: "not run") and unsupported where it has not ("n/a"), a
+    second run merged into the first's file, and the README table rendered from it."""
     variants = _script("variants")
     out = tmp_path / "variants.json"
     assert variants.main(["--smoke", "--only", "4 rows,dropout", "--impls", "flashjax,flashjax_mosaic,fa3",
@@ -196,7 +197,8 @@ def test_variants_smoke(tmp_path):
             assert row[f"flashjax_{mode}_status"] == "ok", row
             assert max(row[f"flashjax_{mode}_rel_err"].values()) < benchmark.TOLERANCE
         if row["variant"] != "segments x4 causal":
-            assert row["flashjax_mosaic_fwd_status"] == "unsupported" and row["fa3_fwd_status"] == "unsupported"
+            assert row["flashjax_mosaic_fwd_status"] == "unsupported"
+            assert row["fa3_fwd_status"] == ("unavailable" if row["variant"] == "4 rows causal" else "unsupported")
     table = _script("plot").variants_markdown(json.loads(out.read_text()))
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
 
@@ -232,6 +234,28 @@ def test_flops_of_causal_calls_with_other_query_lengths():
     tq, tk = 48, 80
     visible = sum(min(tk, max(0, i + tk - tq + 1)) for i in range(tq))
     assert abs(benchmark.flops(1, 1, tq, tk, 1, True) / 4 - visible) <= tq / 2
+
+
+def test_variants_table_marks_and_baseline_ratio():
+    """The variants table: "not run" for a peer not installed in a row's run, "n/a" for one
+    without the variant; the last column divides one backend's times (the faster on the row)
+    by that same backend's on the baseline row."""
+    def row(variant, triton, hopper, fa3=None, **extra):
+        r = {"variant": variant, "seq": 8192, "batch": 2, "heads": 16, "head_dim": 128, "useful_fraction": 1.0,
+             "baseline": "full"}
+        for impl, times in (("flashjax", triton), ("flashjax_mosaic", hopper), ("fa3", fa3)):
+            if times:
+                r[f"{impl}_fwd_ms"], r[f"{impl}_fwdbwd_ms"] = times
+        return {**r, **extra}
+
+    rows = [row("full", (2.0, 8.0), (1.0, 6.0), fa3_fwd_status="unavailable"),
+            row("padded", (0.5, 2.0), (0.8, 3.0), fa3_fwd_status="unsupported", fa3_fwd_error="fa3 has no such option"),
+            row("windowed", (1.0, 4.0), (0.5, 3.0), fa3=(0.4, 2.0))]
+    table = _script("plot").variants_markdown({"rows": rows, "date": "d", "device": "GPU", "jax": "0"})
+    lines = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
+    assert "not run" in lines["full"] and "n/a" in lines["padded"] and "not run" not in lines["padded"]
+    assert "| 0.25 / 0.25 of full |" in lines["padded"]  # Triton 0.5 / 2.0 on the row over Triton's 2.0 / 8.0
+    assert "| 0.50 / 0.50 of full |" in lines["windowed"]  # Hopper on both rows
 
 
 def test_inner_calls():
