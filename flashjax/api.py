@@ -87,7 +87,8 @@ def flash_attention(
         and multi-query attention, without copying K/V).
       v: values [batch, kv_len, kv_heads, v_head_dim]: the shape of ``k`` except that the
         head dim may differ (MLA: 192 for q and k, 128 for v); the output has v's head dim.
-        Triton and xla backends.
+        Every backend takes it; the Hopper kernels only where v's head dim is at most q's
+        (they write the output through the queries' shared memory).
       causal: query ``i`` attends keys ``j <= i'``. With ``q_len != kv_len`` the mask
         is aligned to the bottom right, as in FlashAttention-2: the last query sees
         every key, so a decode step against a KV cache sees the whole cache.
@@ -109,7 +110,8 @@ def flash_attention(
         ``kv_lengths`` get no weight; query rows at or past ``q_lengths`` output 0,
         with lse ``-inf`` and 0 gradient. Tiles past a length are not loaded. A length past
         the sequence counts as the whole sequence and a negative one as none (unchecked:
-        lengths are usually traced).
+        lengths are usually traced). Values past ``kv_lengths`` must be finite: a NaN
+        there reaches the rows that read its tile (0 * NaN), as with any mask.
       window: ``(left, right)`` sliding window: query ``i`` attends keys ``j`` with
         ``i' - left <= j <= i' + right``; ``None`` for an unbounded side; combine with
         ``causal=True`` for ``right = 0``. Tiles outside the band are skipped.
@@ -224,6 +226,14 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
 
     On arrays typed on a mesh of Explicit axes it describes the call each device makes
     (its share of the batch and heads), as `flash_attention` runs it.
+
+    Args:
+      q, k, v: as `flash_attention`'s ([batch, q_len, heads, head_dim], [batch, kv_len,
+        kv_heads, head_dim], [batch, kv_len, kv_heads, v_head_dim]); arrays or
+        ``jax.ShapeDtypeStruct``s.
+      backend, config: as `flash_attention`'s; a named backend that cannot run the call
+        is described with its reasons rather than raised.
+      **options: any other keyword argument of `flash_attention`, arrays or shape structs.
 
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` and ``backward_backend`` fields name them).

@@ -171,6 +171,15 @@ def explain_decode(q, k_cache, v_cache, kv_lengths, *, backend: str = "auto", co
     ``print(flashjax.explain_decode(q, k_cache, None, lengths, v_head_dim=512))`` shows the
     backend chosen and each backend ``auto`` tried before it with its reasons.
 
+    Args:
+      q, k_cache, v_cache, kv_lengths: as `decode_attention`'s (q [batch, q_len, heads,
+        head_dim]; caches [batch, max_len, kv_heads, head_dim] or pools [num_pages,
+        page_size, kv_heads, head_dim]; kv_lengths int [batch]); arrays or
+        ``jax.ShapeDtypeStruct``s.
+      backend, config: as `decode_attention`'s.
+      **options: any other keyword argument of `decode_attention` (``page_table``,
+        ``k_scale``, ``v_head_dim``, ...).
+
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` field names the one chosen).
     """

@@ -125,7 +125,8 @@ def zigzag_restore(x, n: int, axis: int = 1):
     """The inverse of `zigzag_order`: from the zig-zag layout back to natural order.
 
     Args:
-      x: an array whose ``axis`` is in zig-zag order for ``n`` devices.
+      x: an array whose ``axis`` is in zig-zag order for ``n`` devices, e.g. ring attention's
+        output [batch, seq, heads, head_dim] (``seq`` a multiple of ``2 * n``).
       n: the number of devices on the ring's mesh axis.
       axis: the sequence axis.
 

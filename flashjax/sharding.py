@@ -47,8 +47,9 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
     Forward and backward run the kernels per shard with no all-gather of q, k or v.
     Call it on global arrays, inside or outside ``jit`` (on a mesh of Explicit axes,
     ``jax.make_mesh``'s default, differentiate under ``jit`` or ``jax.set_mesh``: JAX
-    refuses an eager ``grad`` there); arrays laid out differently are resharded by XLA
-    to the layout below.
+    refuses an eager ``grad`` there). Arrays sharded otherwise along the batch or the heads
+    are resharded by XLA to the layout below; arrays sharded along the sequence or the head
+    dim raise (see Raises).
 
     Example::
 
@@ -58,7 +59,8 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
 
     Args:
       q: queries [batch, q_len, heads, head_dim].
-      k, v: keys and values [batch, kv_len, kv_heads, head_dim].
+      k, v: keys [batch, kv_len, kv_heads, head_dim] and values [batch, kv_len, kv_heads,
+        v_head_dim] (v's head dim may differ, as in `flashjax.flash_attention`).
       mesh: the device mesh.
       batch_axis: mesh axis name (or tuple of names) that splits the batch, or None.
       head_axis: mesh axis name (or tuple of names) that splits the heads, or None.
@@ -75,7 +77,7 @@ def sharded_flash_attention(q, k, v, *, mesh: Mesh, batch_axis=None, head_axis=N
         its bits differ from an unsharded call unless ``broadcast_dropout=True``.
 
     Returns:
-      The output [batch, q_len, heads, head_dim] sharded as
+      The output [batch, q_len, heads, v_head_dim] sharded as
       ``P(batch_axis, None, head_axis, None)`` (and with ``return_lse=True`` the lse
       [batch, heads, q_len] sharded as ``P(batch_axis, head_axis, None)``).
 

@@ -135,6 +135,14 @@ class FlashMultiHeadAttention(nnx.Module):
         pages_per_seq]`` (``pages_per_seq = ceil(max_len / page_size)``), which starts as
         consecutive pages and may be rewritten (pages shared between sequences, a larger
         pool) as long as each sequence's filled positions map to its own data.
+
+        Args:
+          input_shape: ``[batch..., max_len, features]``, the shape of the longest input the
+            decode steps will have fed in all (only its batch dims and ``max_len`` are used).
+          dtype: the cache's dtype (K/V are cast to it as they are written).
+          page_size: keys per page of a paged cache, or None for a contiguous one. A paged
+            cache holds ``pages_per_seq * page_size`` positions (``max_len`` rounded up to
+            whole pages).
         """
         shape = (*input_shape[:-1], self.num_kv_heads, self.head_dim)
         self.page_table = nnx.data(None)
