@@ -306,7 +306,7 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         kv_segment_ids=kv_segments,
         q_lengths=checks.check_lengths("q_lengths", q_lengths, batch),
         kv_lengths=checks.check_lengths("kv_lengths", kv_lengths, batch),
-        alibi_slopes=checks.check_slopes(alibi_slopes, heads),
+        alibi_slopes=checks.check_slopes(alibi_slopes, heads, q.dtype),
         dropout_seed=dropout.seed_words(dropout_rng) if dropout_rate > 0.0 else None,
         sinks=checks.check_sinks(sinks, heads),
         score_consts=score_consts,

@@ -253,15 +253,17 @@ def check_sinks(sinks, heads: int):
     return sinks
 
 
-def check_slopes(slopes, heads: int):
-    """float32 [heads] (or None); not differentiated."""
+def check_slopes(slopes, heads: int, dtype=jnp.float32):
+    """[heads] (or None) in float32, or in float64 for float64 inputs (`dtype`, which the
+    reference computes in); not differentiated."""
     if slopes is None:
         return None
     if not hasattr(slopes, "shape") or tuple(slopes.shape) != (heads,):
         raise ValueError(f"alibi_slopes must have shape ({heads},) [heads], got {getattr(slopes, 'shape', type(slopes).__name__)}.")
     if not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise ValueError(f"alibi_slopes must be a floating array (a slope per head), got dtype {slopes.dtype}.")
-    return jax.lax.stop_gradient(slopes.astype(jnp.float32))
+    wide = jnp.dtype(dtype) == jnp.float64
+    return jax.lax.stop_gradient(slopes.astype(jnp.float64 if wide else jnp.float32))
 
 
 # ---- KV caches (decode_attention) -----------------------------------------------------------

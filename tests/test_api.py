@@ -392,6 +392,11 @@ def test_dtypes_no_kernel_takes_run_on_the_reference(dtype):
             flashjax.flash_attention(q, k, v, backend="triton")
         grads = jax.grad(lambda q: jnp.sum(jnp.abs(flashjax.flash_attention(q, k, v)) ** 2))(q)
         assert grads.dtype == jnp.dtype(dtype) and bool(jnp.all(jnp.isfinite(grads)))
+        if dtype == "float64":  # ALiBi's slopes too stay in float64 (not rounded to float32)
+            slopes = jnp.asarray(rng.uniform(0.1, 1.0, 2) / 3, jnp.float64)
+            out = flashjax.flash_attention(q, k, v, causal=True, alibi_slopes=slopes)
+            want = flashjax.reference.attention(q, k, v, causal=True, alibi_slopes=slopes)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12)
 
 
 def test_first_interpret_call_does_not_retrace_the_callers_jit():
