@@ -281,7 +281,7 @@ class Checker:
             seq_q, seq_k = qs.shape[1], ks.shape[1]
             chunk = math.gcd(seq_q, 512)
 
-            def share(grads, start):
+            def share(grads, start, qs, ks, vs, dos):
                 q_rows = jax.lax.dynamic_slice_in_dim(qs, start, chunk, 1)
                 do_rows = jax.lax.dynamic_slice_in_dim(dos, start, chunk, 1)
                 mask = None
@@ -292,11 +292,14 @@ class Checker:
                 dk, dv = jax.vjp(attend, ks, vs)[1](do_rows)
                 return (grads[0] + dk, grads[1] + dv), None
 
-            # The reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
+            def kv_grads(qs, ks, vs, dos):
+                step = lambda grads, start: share(grads, start, qs, ks, vs, dos)
+                return jax.lax.scan(step, (jnp.zeros_like(ks), jnp.zeros_like(vs)), jnp.arange(0, seq_q, chunk))[0]
+
+            # Arguments, not constants of the program (which XLA would fold at compile time);
+            # the reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
             options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
-            program = jax.jit(lambda: jax.lax.scan(share, (jnp.zeros_like(ks), jnp.zeros_like(vs)),
-                                                   jnp.arange(0, seq_q, chunk))[0])
-            dk, dv = program.lower().compile(options)()
+            dk, dv = jax.jit(kv_grads).lower(qs, ks, vs, dos).compile(options)(qs, ks, vs, dos)
             problem["kv_grads"] = np.asarray(dk), np.asarray(dv)
         return (problem["kv_heads"], *problem["kv_grads"])
 
