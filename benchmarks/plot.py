@@ -30,7 +30,7 @@ from flashjax.tuning import device_slug  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Files of other benchmarks, with formats of their own (tables below, no plots).
-OTHER_PREFIXES = ("ab-", "tuning-", "variants-", "ring-", "train_lm-", "decode-", "flex-", "generate-", "gemma-", "persistent-forward-")
+OTHER_PREFIXES = ("ab-", "kv-check-", "tuning-", "variants-", "ring-", "train_lm-", "decode-", "flex-", "generate-", "gemma-", "persistent-forward-")
 # Column order and legend names.
 NAMES = {
     "flashjax_mosaic": "flashjax (Pallas Mosaic GPU)",
