@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -43,12 +44,15 @@ class Unsupported(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Num:
-    """A number in [lo, hi] at every pair of a tile; `point`: the same at every pair (it
-    depends on the batch and head only), a static fact of the program."""
+    """A number in [lo, hi] at every pair of a tile; `point`: it depends on the batch and head
+    only, a static fact of the program (its bounds may still differ where a rule widened
+    them: `_read` checks); `const`: its value as a NumPy scalar where the program states it
+    (a literal), known while tracing."""
 
     lo: Any
     hi: Any
     point: bool
+    const: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +71,27 @@ class Array:
     value: Any
 
 
-def _num(x, point=True) -> Num:
+def _num(x, point=True, const=None) -> Num:
     x = jnp.asarray(x)
-    return Num(x, x, point)
+    return Num(x, x, point, const)
+
+
+def _whole(dtype) -> tuple:
+    """The bounds that hold every value of dtype (floats: NaN aside, which comparisons treat
+    as unknown: `_compare`)."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return jnp.asarray(info.min, dtype), jnp.asarray(info.max, dtype)
+    return jnp.asarray(-jnp.inf, dtype), jnp.asarray(jnp.inf, dtype)
+
+
+def _without_nan(v: Num) -> Num:
+    """A float interval whose bounds came out NaN (0 * inf at a corner) as the whole line."""
+    if not jnp.issubdtype(jnp.result_type(v.lo), jnp.floating):
+        return v
+    unknown = jnp.isnan(v.lo) | jnp.isnan(v.hi)
+    lo, hi = _whole(jnp.result_type(v.lo))
+    return dataclasses.replace(v, lo=jnp.where(unknown, lo, v.lo), hi=jnp.where(unknown, hi, v.hi))
 
 
 def _as_num(v) -> Num:
@@ -93,15 +115,25 @@ def _is_bool_dtype(aval) -> bool:
 
 # ---- the rules -------------------------------------------------------------------------------
 def _compare(name, a: Num, b: Num) -> Bool:
+    result = _compare_bounds(name, a, b)
+    if not jnp.issubdtype(jnp.result_type(a.lo, b.lo), jnp.floating):
+        return result
+    # A float whose bounds reach an infinity may be NaN inside them (inf - inf, inf * 0), and
+    # a comparison with NaN is false (ne: true) whatever the bounds say: both outcomes possible.
+    unknown = ~(jnp.isfinite(a.lo) & jnp.isfinite(a.hi) & jnp.isfinite(b.lo) & jnp.isfinite(b.hi))
+    return Bool(result.true | unknown, result.false | unknown, result.point)
+
+
+def _compare_bounds(name, a: Num, b: Num) -> Bool:
     point = a.point and b.point
     if name == "lt":
         return Bool(a.lo < b.hi, a.hi >= b.lo, point)
     if name == "le":
         return Bool(a.lo <= b.hi, a.hi > b.lo, point)
     if name == "gt":
-        return _compare("lt", b, a)
+        return _compare_bounds("lt", b, a)
     if name == "ge":
-        return _compare("le", b, a)
+        return _compare_bounds("le", b, a)
     meets = (a.lo <= b.hi) & (b.lo <= a.hi)
     same = (a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo)
     if name == "eq":
@@ -153,22 +185,33 @@ def _divide(a: Num, b: Num, floor: bool) -> Num:
         raise Unsupported("a division by a value not known to be nonzero")
     if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
         op = jnp.floor_divide if floor else lax.div
-    else:
-        op = (lambda x, y: jnp.floor(x / y)) if floor else (lambda x, y: x / y)
+        # min // -1 wraps to min: widened to the whole range, as a sum that wraps.
+        return _no_overflow(_corners(op, a, b), jnp.divide, a, b)
+    op = (lambda x, y: jnp.floor(x / y)) if floor else (lambda x, y: x / y)
     return _corners(op, a, b)
 
 
 def _is_constant(v: Num) -> bool:
-    """Whether v is one concrete nonzero value (a literal divisor), known while tracing."""
+    """Whether v is one nonzero value known while tracing: a literal of the program, or a
+    concrete array (classify runs under jit, where only the literals are known)."""
+    if v.const is not None:
+        return bool(np.all(np.asarray(v.const) != 0))
     try:
         return bool(jnp.all(v.lo == v.hi)) and bool(jnp.all(v.lo != 0))
     except jax.errors.ConcretizationTypeError:  # a traced value
         return False
 
 
+def _positive_constant(v: Num) -> bool:
+    """`_is_constant` and positive."""
+    if not _is_constant(v):
+        return False
+    return bool(np.all(np.asarray(v.const) > 0)) if v.const is not None else bool(jnp.all(v.lo > 0))
+
+
 def _modulo(a: Num, b: Num, floor: bool) -> Num:
     """a rem b (sign of a) or, with `floor`, a mod b (sign of b), for a positive constant b."""
-    if not (_is_constant(b) and bool(jnp.all(b.lo > 0))):
+    if not _positive_constant(b):
         raise Unsupported("a remainder by a non-constant or negative divisor")
     c = b.lo
     same_period = jnp.floor_divide(a.lo, c) == jnp.floor_divide(a.hi, c)
@@ -248,12 +291,16 @@ def _read(array: Array, indices: list[Num], tables: _RangeTables) -> Num:
     los = [clamp(i.lo, n) for i, n in zip(indices, a.shape)]
     his = [clamp(i.hi, n) for i, n in zip(indices, a.shape)]
     varying = [axis for axis, i in enumerate(indices) if not i.point]
+    # A point index is one position where its bounds meet; where a rule widened them (an
+    # overflow, a conversion that wraps) it may be any: the whole array's range there.
+    exact = functools.reduce(jnp.logical_and, [lo == hi for axis, (lo, hi) in enumerate(zip(los, his))
+                                               if axis not in varying], jnp.asarray(True))
+    whole = lambda lo, hi: Num(jnp.where(exact, lo, jnp.min(a)), jnp.where(exact, hi, jnp.max(a)), not varying)
     if not varying:
         value = a[tuple(los)]
-        return Num(value, value, True)
+        return whole(value, value)
     if len(varying) == 1:
-        lo, hi = tables.extremes(a, varying[0], los, los[varying[0]], his[varying[0]])
-        return Num(lo, hi, False)
+        return whole(*tables.extremes(a, varying[0], los, los[varying[0]], his[varying[0]]))
     return Num(jnp.min(a), jnp.max(a), False)
 
 
@@ -262,7 +309,7 @@ def _evaluate(jaxpr, env_values, tables: _RangeTables):
 
     def read(x):
         if isinstance(x, jex_core.Literal):
-            return _as_bool(_num(x.val)) if _is_bool_dtype(x.aval) else _num(x.val)
+            return _as_bool(_num(x.val)) if _is_bool_dtype(x.aval) else _num(x.val, const=np.asarray(x.val))
         return env[x]
 
     for var, value in zip((*jaxpr.constvars, *jaxpr.invars), env_values):
@@ -272,7 +319,7 @@ def _evaluate(jaxpr, env_values, tables: _RangeTables):
         name = eqn.primitive.name
         out = _rule(name, eqn, ins, tables)
         for var, value in zip(eqn.outvars, out if isinstance(out, tuple) else (out,)):
-            env[var] = value
+            env[var] = _without_nan(value) if isinstance(value, Num) else value
     return [read(x) for x in jaxpr.outvars]
 
 
@@ -331,6 +378,11 @@ def _rule(name, eqn, ins, tables):
         return _no_overflow(_corners(jnp.multiply, *nums), jnp.multiply, *nums)
     if name == "neg":
         (a,) = nums
+        if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
+            # -min wraps to min: an interval from the minimum negates to the whole range.
+            low, high = _whole(jnp.result_type(a.lo))
+            at_min = a.lo == low
+            return Num(jnp.where(at_min, low, -a.hi), jnp.where(at_min, high, -a.lo), a.point)
         return Num(-a.hi, -a.lo, a.point)
     if name == "abs":
         (a,) = nums
@@ -341,8 +393,10 @@ def _rule(name, eqn, ins, tables):
         # integer lo at its minimum (a range widened by `_no_overflow`) has no negation.
         hi = jnp.maximum(-a.lo, a.hi)
         if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
+            # |min| wraps to min itself: an interval from the minimum holds both ends.
             info = jnp.iinfo(jnp.result_type(a.lo))
-            hi = jnp.where(a.lo == info.min, info.max, hi)
+            at_min = a.lo == info.min
+            lo, hi = jnp.where(at_min, info.min, lo), jnp.where(at_min, info.max, hi)
         return Num(lo, hi, a.point)
     if name in ("max", "min"):
         a, b = nums
@@ -373,7 +427,7 @@ def _call(eqn, inner, ins, tables):
     if (name in ("floor_divide", "remainder") and len(ins) == 2 and not any(isinstance(v, Array) for v in ins)
             and _is_jnp(name, eqn)):
         a, b = (_as_num(v) for v in ins)
-        if _is_constant(b) and bool(jnp.all(b.lo > 0)):
+        if _positive_constant(b):
             return _divide(a, b, floor=True) if name == "floor_divide" else _modulo(a, b, floor=True)
     jaxpr, consts = inner
     return tuple(_evaluate(jaxpr, [*map(_const, consts), *ins], tables))

@@ -514,6 +514,55 @@ def test_block_mask_on_intervals_is_sound_when_a_conversion_wraps(mask_mod):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("mask_mod", TIGHT)
+def test_block_mask_runs_its_interval_rules_under_jit(mask_mod, monkeypatch):
+    """flashjax.block_mask classifies under jit, where a literal divisor (a chunk size, a
+    dilation) is known only from the program's text: the division and remainder rules run
+    there too (not a fallback to every pair), and the classes equal the dense mask's."""
+    from flashjax import intervals
+
+    results = []
+    classify = intervals.classify
+    monkeypatch.setattr(intervals, "classify", lambda *a, **kw: results.append(classify(*a, **kw)) or results[-1])
+    args = (2, 2, 203, 190, 16, 32)
+    blocks = flashjax.block_mask(mask_mod, *args[:4], block_q=16, block_k=32).blocks
+    assert results and results[-1] is not None, "the interval rules should have run"
+    want = _dense_classes(mask_mod, *args)
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(blocks), want.shape), want)
+
+
+_MIN_INT = np.iinfo(np.int32).min
+_LIMITS = jnp.asarray(np.r_[_MIN_INT, 1:64], jnp.int32)  # a "no limit" marker at the minimum
+_TENS = jnp.arange(8, dtype=jnp.int32) * 10
+
+
+@pytest.mark.parametrize("mask_mod", [
+    pytest.param(lambda b, h, i, j: -_LIMITS[j] > -5, id="negated-minimum-read"),
+    pytest.param(lambda b, h, i, j: -(i * 100_000_000) > 0, id="negated-wrapped-product"),
+    pytest.param(lambda b, h, i, j: jnp.abs(i * 1073741824) < 0, id="abs-of-the-minimum"),
+    pytest.param(lambda b, h, i, j: _TENS[jnp.clip((b + 2) * 1_500_000_000, 0, 7)] > 5, id="read-at-a-widened-index"),
+    pytest.param(lambda b, h, i, j: i.astype(jnp.float32) * jnp.inf > j.astype(jnp.float32), id="nan-bounds"),
+    pytest.param(lambda b, h, i, j: ~(i.astype(jnp.float32) * jnp.inf > j.astype(jnp.float32)) | (j == 0),
+                 id="nan-bounds-negated"),
+])
+def test_block_mask_on_intervals_is_sound_at_the_integer_minimum_and_nan(mask_mod):
+    """-min and |min| wrap to min in int32, a bound widened by an overflow is not one position
+    of a read, and 0 * inf gives NaN bounds (and NaN values, for which every comparison is
+    false): none of these calls a tile empty or full that is not, and attention under the
+    mask (with the first key always visible) equals the reference's on the dense mask."""
+    args = (2, 1, 64, 64, 16, 16)
+    want = _dense_classes(mask_mod, *args)
+    blocks = flashjax.block_mask(mask_mod, *args[:4], block_q=16, block_k=16).blocks
+    _assert_sound(np.broadcast_to(np.asarray(blocks), want.shape), want)
+    visible = lambda b, h, i, j: mask_mod(b, h, i, j) | (j == 0)
+    ks = jax.random.split(jax.random.key(5), 3)
+    q, k, v = (jax.random.normal(key, (2, 64, 1, 16), jnp.float32) for key in ks)
+    dense = np.asarray(reference.logits_mask(2, 64, 64, mask_mod=visible, heads=1))
+    ref = flashjax.flash_attention(q, k, v, mask=jnp.asarray(dense), backend="xla")
+    got = flashjax.flash_attention(q, k, v, mask_mod=visible, backend="triton")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
 def test_block_mask_without_interval_rules_evaluates_every_pair():
     """An operation without an interval rule (sin) falls back to evaluating every pair."""
     from flashjax import intervals
