@@ -253,6 +253,20 @@ def check_sinks(sinks, heads: int):
     return sinks
 
 
+def check_config_ints(config, *names: str, optional: tuple = ()) -> None:
+    """The integer fields `names` of a frozen config dataclass, as Python ints: NumPy integers
+    are converted; anything else (bools, floats, strings; None unless the field is in
+    `optional`) raises a TypeError naming the field, before any kernel sees it."""
+    owner = type(config).__name__
+    for name in names:
+        value = getattr(config, name)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{owner}.{name} must be an int, got {value!r}.")
+        object.__setattr__(config, name, int(value))
+
+
 def check_slopes(slopes, heads: int, dtype=jnp.float32):
     """[heads] (or None) in float32, or in float64 for float64 inputs (`dtype`, which the
     reference computes in); not differentiated."""

@@ -1022,7 +1022,17 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
     bm, hm = mask.blocks.shape[:2]
     if bm not in (1, batch) or hm not in (1, heads):
         raise ValueError(f"block_mask has batch/heads ({bm}, {hm}); this call has ({batch}, {heads}).")
-    own, own_consts = trace(mask.mask_mod, MASK_MOD)
+    try:
+        own, own_consts = trace(mask.mask_mod, MASK_MOD)
+        # An array of an ended trace raises where it is used (a no-op on it raises now).
+        for const in own_consts:
+            if isinstance(const, jax.core.Tracer):
+                lax.stop_gradient(const)
+    except jax.errors.UnexpectedTracerError as e:
+        raise ValueError(
+            "block_mask's mask_mod reads values of a jax.jit trace that has ended (a BlockMask built inside "
+            "a jit and returned from it): build it outside jit, or inside the jit that uses it."
+        ) from e
     for axis, built, wanted, used in zip(("batch", "heads"), (bm, hm), (batch, heads), own.uses_batch_and_head):
         if built == 1 and wanted > 1 and used:
             # Row 0's empty and full tiles would stand for every row of an axis the mask varies along.

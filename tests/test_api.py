@@ -194,6 +194,39 @@ def test_bad_kernel_config(kwargs, name):
         flashjax.KernelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("make, error, field", [
+    (lambda: flashjax.KernelConfig(64.0, 64), TypeError, "KernelConfig.block_q must be an int"),
+    (lambda: flashjax.KernelConfig(64, 64, num_stages=2.5), TypeError, "KernelConfig.num_stages must be an int"),
+    (lambda: flashjax.KernelConfig(64, 64, num_warps=64), ValueError, "KernelConfig.num_warps must be a power of two up to 32"),
+    (lambda: flashjax.MosaicConfig(block_q=64.0), TypeError, "MosaicConfig.block_q must be an int"),
+    (lambda: flashjax.MosaicConfig(stages=True), TypeError, "MosaicConfig.stages must be an int"),
+    (lambda: flashjax.MosaicConfig(block_kv=320), ValueError, "MosaicConfig.block_kv must be a multiple of 64 from 64 to 256"),
+    (lambda: flashjax.DecodeConfig(block_k="64"), TypeError, "DecodeConfig.block_k must be an int"),
+    (lambda: flashjax.DecodeConfig(num_warps=64), ValueError, "DecodeConfig.num_warps must be None or a power of two up to 32"),
+    (lambda: flashjax.TritonConfig(None, None, None), TypeError, "TritonConfig.fwd must be a KernelConfig"),
+])
+def test_config_fields_are_checked_by_name(make, error, field):
+    """Every config field is checked when the config is built, the error naming the field:
+    a float, bool or string where an int goes, a Hopper tile past wgmma's and TMA's 256, more
+    than 32 warps (they failed inside Pallas, Mosaic GPU or Triton, or with an operator error)."""
+    with pytest.raises(error, match=field):
+        make()
+
+
+def test_configs_take_numpy_integers():
+    """NumPy integers (from a sweep's arrays) are ints: converted, so that the kernels see
+    Python ints (a NumPy int reached Pallas as a dynamic grid bound)."""
+    config = flashjax.KernelConfig(np.int64(64), np.int32(32), num_warps=np.int64(4))
+    assert (config.block_q, config.block_k, config.num_warps) == (64, 32, 4)
+    assert all(type(getattr(config, f)) is int for f in ("block_q", "block_k", "num_warps", "num_stages"))
+    assert type(flashjax.MosaicConfig(block_q=np.int64(128)).block_q) is int
+    assert type(flashjax.DecodeConfig(block_k=np.int16(64)).block_k) is int
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 40, 2, 16)), jnp.float32)
+    config = flashjax.TritonConfig(*(flashjax.KernelConfig(np.int64(16), np.int64(16)) for _ in range(3)))
+    np.testing.assert_allclose(flashjax.flash_attention(q, q, q, backend="triton", config=config),
+                               flashjax.flash_attention(q, q, q, backend="xla"), rtol=1e-5, atol=1e-5)
+
+
 def test_mosaic_not_implemented():
     with pytest.raises(NotImplementedError, match="mosaic"):
         flashjax.flash_attention(*arrays(), backend="mosaic")

@@ -790,6 +790,21 @@ def test_automatic_block_mask_is_built_once_per_call(rng, monkeypatch):
         check_close(g, w, jnp.float32, f"d{name}")
 
 
+def test_block_mask_returned_from_a_jit_raises_a_clear_error():
+    """A BlockMask built inside a jit from traced document ids and returned from it keeps a
+    mask_mod that reads that trace's values: using it raises an error that says so (JAX's
+    was an unexpected-tracer error), and building it in the jit that uses it works."""
+    docs = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None]
+    build = lambda docs: flashjax.block_mask(mods.document_window(docs, 8), 1, 1, 64, 64, block_q=16, block_k=16)
+    leaked = jax.jit(build)(docs)
+    q = jax.random.normal(jax.random.key(0), (1, 64, 1, 16))
+    with pytest.raises(ValueError, match="trace that has ended"):
+        flashjax.flash_attention(q, q, q, block_mask=leaked, backend="triton")
+    inside = jax.jit(lambda q, docs: flashjax.flash_attention(q, q, q, block_mask=build(docs), backend="triton"))
+    want = flashjax.flash_attention(q, q, q, mask_mod=mods.document_window(docs, 8), backend="xla")
+    np.testing.assert_allclose(np.asarray(inside(q, docs)), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 def test_block_mask_bad_arguments():
     with pytest.raises(ValueError, match="block_q"):
         flashjax.block_mask(mods.causal(), 1, 1, 16, 16, block_q=24)

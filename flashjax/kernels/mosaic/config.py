@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from flashjax import tuning
+from flashjax import checks, tuning
 
 __all__ = ["MosaicConfig", "DTYPES", "HEAD_DIMS", "padded_head_dim", "device_reasons"]
 
@@ -16,6 +16,8 @@ DTYPES = ("bfloat16", "float16")
 # wgmma and the 128-byte swizzle work in 64-column slabs: head dims are padded to these.
 HEAD_DIMS = (64, 128, 192, 256)
 FWD_SCHEDULES = ("auto", "pingpong", "overlap")
+# A tile's rows or keys: wgmma's N and a TMA copy's extent along a dim are at most 256.
+MAX_TILE = 256
 
 
 def device_reasons(platform: str, compute_capability: str, dtype, what: str = "inputs") -> list[str]:
@@ -43,6 +45,11 @@ class MosaicConfig:
     Each forward CTA runs two consumer warpgroups of `block_q` query rows (wgmma
     wants 64-row multiples per warpgroup) and one producer warpgroup streaming
     `block_kv`-row K/V tiles through a ring of `stages` shared-memory slots.
+
+    Tiles are multiples of 64 up to 256 (wgmma's and TMA's limits). A config is not fitted to
+    shared memory: one whose rings do not fit (more stages or larger tiles than the tuned
+    entry of a head dim) fails when the kernel compiles, with Mosaic GPU's "exceeds available
+    shared memory".
 
     Attributes:
       block_q: query rows per consumer warpgroup in the forward (a multiple of 64).
@@ -90,12 +97,14 @@ class MosaicConfig:
     fwd_persistent: bool = True
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_q_dense", "bwd_block_kv", "dq_block_kv"):
+        tiles = ("block_q", "block_kv", "bwd_block_q", "bwd_block_q_dense", "bwd_block_kv", "dq_block_kv")
+        checks.check_config_ints(self, *tiles, "stages", "bwd_stages", optional=("bwd_block_q_dense",))
+        for name in tiles:
             value = getattr(self, name)
             if value is None:  # bwd_block_q_dense unset
                 continue
-            if value < 64 or value % 64:
-                raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {value}.")
+            if value < 64 or value % 64 or value > MAX_TILE:
+                raise ValueError(f"MosaicConfig.{name} must be a multiple of 64 from 64 to {MAX_TILE}, got {value}.")
         if not isinstance(self.fwd_persistent, bool):
             raise ValueError(f"MosaicConfig.fwd_persistent must be a bool, got {self.fwd_persistent!r}.")
         if self.fwd_schedule not in FWD_SCHEDULES:

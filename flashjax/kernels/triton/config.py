@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flashjax import tuning
+from flashjax import checks, tuning
 
 __all__ = ["TritonConfig", "KernelConfig", "DecodeConfig"]
 
@@ -22,11 +22,15 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+# Warps of one program: CUDA's 1024 threads a block.
+MAX_WARPS = 32
+
+
 def _check_launch(config):
-    """Triton's launch parameters of a config: num_warps a power of two, num_stages >= 1."""
+    """Triton's launch parameters of a config: num_warps a power of two up to 32, num_stages >= 1."""
     name = type(config).__name__
-    if not _is_power_of_two(config.num_warps):
-        raise ValueError(f"{name}.num_warps must be a power of two, got {config.num_warps}.")
+    if not (_is_power_of_two(config.num_warps) and config.num_warps <= MAX_WARPS):
+        raise ValueError(f"{name}.num_warps must be a power of two up to {MAX_WARPS}, got {config.num_warps}.")
     if config.num_stages < 1:
         raise ValueError(f"{name}.num_stages must be >= 1, got {config.num_stages}.")
 
@@ -52,6 +56,7 @@ class KernelConfig:
     num_stages: int = 2
 
     def __post_init__(self):
+        checks.check_config_ints(self, "block_q", "block_k", "num_warps", "num_stages")
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
             if not (_is_power_of_two(value) and value >= 16):
@@ -104,6 +109,11 @@ class TritonConfig:
     fwd: KernelConfig
     dkv: KernelConfig
     dq: KernelConfig
+
+    def __post_init__(self):
+        for name in ("fwd", "dkv", "dq"):
+            if not isinstance(getattr(self, name), KernelConfig):
+                raise TypeError(f"TritonConfig.{name} must be a KernelConfig, got {getattr(self, name)!r}.")
 
     @classmethod
     def default(cls, head_dim: int, dtype=np.float32, device_kind: str | None = None) -> "TritonConfig":
@@ -163,9 +173,11 @@ class DecodeConfig:
     num_stages: int = 2
 
     def __post_init__(self):
+        checks.check_config_ints(self, "block_k", "num_warps", "num_stages", optional=("block_k", "num_warps"))
         if self.block_k is not None and not (_is_power_of_two(self.block_k) and self.block_k >= 16):
             raise ValueError(f"DecodeConfig.block_k must be None or a power of two >= 16, got {self.block_k}.")
-        if self.num_warps is not None and not _is_power_of_two(self.num_warps):
-            raise ValueError(f"DecodeConfig.num_warps must be None or a power of two, got {self.num_warps}.")
+        if self.num_warps is not None and not (_is_power_of_two(self.num_warps) and self.num_warps <= MAX_WARPS):
+            raise ValueError(f"DecodeConfig.num_warps must be None or a power of two up to {MAX_WARPS}, "
+                             f"got {self.num_warps}.")
         if self.num_stages < 1:
             raise ValueError(f"DecodeConfig.num_stages must be >= 1, got {self.num_stages}.")
