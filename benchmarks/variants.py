@@ -43,6 +43,7 @@ import dataclasses
 import datetime
 import importlib
 import json
+import math
 import platform
 import sys
 import time
@@ -242,8 +243,38 @@ def _slice_option(name: str, value, start: int, end: int):
     raise ValueError(f"no row slice for option {name!r}: add one to check this variant")
 
 
+def _chunk_options(case: Case, start: int, end: int) -> dict:
+    """The options as the reference sees them for query rows [start, end) of batch row 0 among
+    all keys: sliced (`_slice_option`), with causal, the window and ALiBi, which the reference
+    aligns to the rows it is given, stated for these rows' own positions (a mask, a bias)."""
+    import jax.numpy as jnp
+
+    positional = ("causal", "window", "alibi_slopes")
+    options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()
+               if name not in positional}
+    rows = jnp.arange(start, end)[:, None]  # self-attention: aligned positions are the rows'
+    cols = jnp.arange(case.seq)[None, :]
+    allowed = jnp.ones((end - start, case.seq), bool)
+    if case.options.get("causal"):
+        allowed &= cols <= rows
+    left, right = case.options.get("window") or (None, None)
+    if left is not None:
+        allowed &= cols >= rows - left
+    if right is not None:
+        allowed &= cols <= rows + right
+    options["mask"] = allowed[None, None] & options["mask"] if "mask" in options else allowed[None, None]
+    if "alibi_slopes" in case.options:
+        slopes = jnp.asarray(case.options["alibi_slopes"][:CHECK_HEADS], jnp.float32)
+        alibi = -slopes[None, :, None, None] * jnp.abs(rows - cols).astype(jnp.float32)[None, None]
+        options["bias"] = alibi + options["bias"] if "bias" in options else alibi
+    return options
+
+
 class VariantChecker:
-    """benchmark.Checker's check for a variant: the float32 reference on a slice of query rows."""
+    """benchmark.Checker's check for a variant: the float32 reference on a slice of query rows
+    (the output, dq), and over every query row by chunks (dk, dv of batch row 0)."""
+
+    chunk = 512  # query rows per step of the dk / dv reference
 
     def __init__(self):
         self._cache = {}
@@ -273,11 +304,51 @@ class VariantChecker:
             self._cache = {key: np.asarray(reference_rows(qs, ks, vs, dos, arrays))}
         return self._cache[key]
 
+    def expected_kv_grads(self, case: Case, q, k, v, do):
+        """(dk, dv) [1, T, CHECK_HEADS, D] of batch row 0 from every query row, or None with
+        dropout (the reference would draw a chunk's keep mask from its own row 0)."""
+        import jax
+        import jax.numpy as jnp
+
+        from flashjax import reference
+
+        if case.options.get("dropout_rate"):
+            return None
+        key = (case, "kv")
+        if key not in self._cache:
+            f32 = lambda x: x.astype(jnp.float32)
+            qs, dos = f32(q[:1, :, :CHECK_HEADS]), f32(do[:1, :, :CHECK_HEADS])
+            ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
+            chunk = math.gcd(case.seq, self.chunk)
+            is_array = lambda x: bool(jax.tree.leaves(x)) and all(hasattr(a, "shape") for a in jax.tree.leaves(x))
+            first = _chunk_options(case, 0, chunk)
+            static = {name: value for name, value in first.items() if not is_array(value)}
+
+            # One program for every chunk: its rows' arrays (mask, bias, ids, lengths) are arguments.
+            @jax.jit
+            def share(q_rows, do_rows, arrays):
+                attend = lambda k_, v_: reference.attention(q_rows, k_, v_, **arrays, **static)
+                return jax.vjp(attend, ks, vs)[1](do_rows)
+
+            dk, dv = jnp.zeros_like(ks), jnp.zeros_like(vs)
+            for start in range(0, case.seq, chunk):
+                options = _chunk_options(case, start, start + chunk)
+                arrays = {name: jax.tree.map(jnp.asarray, value) for name, value in options.items() if name not in static}
+                part = share(qs[:, start:start + chunk], dos[:, start:start + chunk], arrays)
+                dk, dv = dk + part[0], dv + part[1]
+            self._cache[key] = (np.asarray(dk), np.asarray(dv))
+        return self._cache[key]
+
     def check(self, case: Case, mode: str, result, q, k, v, do) -> dict:
         start, end = _rows(case)
         got = result if mode == "fwd" else result[0]
-        return {"out" if mode == "fwd" else "dq": benchmark.rel_err(
+        errors = {"out" if mode == "fwd" else "dq": benchmark.rel_err(
             got[:1, start:end, :CHECK_HEADS], self.expected(case, mode, q, k, v, do))}
+        kv = self.expected_kv_grads(case, q, k, v, do) if mode == "fwdbwd" and len(result) == 3 else None
+        if kv is not None:
+            errors.update(dk=benchmark.rel_err(result[1][:1, :, :CHECK_HEADS], kv[0]),
+                          dv=benchmark.rel_err(result[2][:1, :, :CHECK_HEADS], kv[1]))
+        return errors
 
 
 def measure(case: Case, impl: str, mode: str, args, checker: VariantChecker, reps: int) -> dict:

@@ -223,6 +223,44 @@ def test_checker_catches_wrong_kv_gradients(causal):
     assert set(checker.check(cell, exact[:1], q, k, v, do)) == {"dq"}  # a peer that returns dq alone
 
 
+def test_variant_checker_checks_kv_gradients_by_chunks():
+    """variants.py's check of forward+backward covers dk and dv: the reference over chunks of
+    query rows, each chunk's causal / window / ALiBi / lengths / ids / mask / bias stated for its
+    own rows, equals the whole-sequence reference's gradients on every smoke row (dropout aside:
+    dq only), and a dk or dv off by 5% on early keys is caught."""
+    from flashjax import reference
+
+    variants = _script("variants")
+    checker = variants.VariantChecker()
+    checker.chunk = 64  # several chunks at the smoke lengths
+    heads = variants.CHECK_HEADS
+    for case in variants.cases(False, smoke=True):
+        if case.seq > 256:  # the same options at 512
+            continue
+        cell = variants.cell(case, "fwdbwd", "flashjax")
+        q, k, v, do = benchmark.make_inputs(cell, dtype=jnp.float32)
+        options = {name: value[:1] if name in ("q_lengths", "kv_lengths") else value for name, value in case.options.items()}
+        if "segment_ids" in options:
+            options["segment_ids"] = options["segment_ids"][:1]
+        if "alibi_slopes" in options:
+            options["alibi_slopes"] = options["alibi_slopes"][:heads]
+        if "bias" in options or "mask" in options:
+            name = "bias" if "bias" in options else "mask"
+            options[name] = options[name][:1, :heads] if options[name].shape[1] > 1 else options[name][:1]
+        row = lambda x: x[:1, :, :heads]
+        loss = lambda q_, k_, v_: jnp.sum(reference.attention(q_, k_, v_, **options) * row(do))
+        exact = jax.grad(loss, argnums=(0, 1, 2))(row(q), row(k), row(v))
+        errors = checker.check(case, "fwdbwd", exact, q, k, v, do)
+        if "dropout_rate" in case.options:
+            assert set(errors) == {"dq"}, (case.name, errors)
+            continue
+        assert set(errors) == {"dq", "dk", "dv"} and max(errors.values()) < 1e-5, (case.name, errors)
+        for wrong in (1, 2):
+            grads = list(exact)
+            grads[wrong] = grads[wrong].at[:, :8].multiply(1.05)
+            assert checker.check(case, "fwdbwd", tuple(grads), q, k, v, do)[("dk", "dv")[wrong - 1]] > 1e-4, case.name
+
+
 def test_flops_of_causal_calls_with_other_query_lengths():
     """Bottom-right causal pairs: Tq*Tk - Tq^2/2 (Tq <= Tk), Tk^2/2 (Tq > Tk), T^2/2 when square."""
     per_pair = 4 * 2 * 3 * 64  # 4 * B * H * D
