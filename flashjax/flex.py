@@ -855,7 +855,8 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
     not evaluated and broadcast.
 
     The result can be reused by every call with the same mask_mod and lengths (across layers,
-    under jit). The Triton kernels re-tile it to their own tiles, exactly: a kernel tile
+    under jit). One built inside a jit from traced arrays belongs to that trace: build it
+    outside jit, or inside the jit that uses it (used after its jit has returned, it raises). The Triton kernels re-tile it to their own tiles, exactly: a kernel tile
     covering several blocks is empty (full) when all of them are, one inside a block inherits
     its class. The default 128 x 128 matches the Triton tiles at head dims 64 and 128; a
     finer block mask skips more of an irregular mask but costs more to build.

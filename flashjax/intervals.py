@@ -53,6 +53,7 @@ class Num:
     hi: Any
     point: bool
     const: Any = None
+    nan: Any = False  # where a float may be NaN within its bounds (`_may_be_nan`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +86,39 @@ def _whole(dtype) -> tuple:
     return jnp.asarray(-jnp.inf, dtype), jnp.asarray(jnp.inf, dtype)
 
 
+def _is_float(v) -> bool:
+    return isinstance(v, Num) and jnp.issubdtype(jnp.result_type(v.lo), jnp.floating)
+
+
+def _may_be_nan(v: Num):
+    """Where a float may be NaN somewhere in the tile: flagged so, or bounded by an infinity
+    or NaN (inf - inf and 0 * inf are NaN between finite-looking corners)."""
+    return v.nan | ~(jnp.isfinite(v.lo) & jnp.isfinite(v.hi))
+
+
+def _after_nan(value, hazard):
+    """An operation's result where one of its float operands may be NaN (`hazard`): a float
+    result may be NaN too (its bounds, min / max / clamp of a NaN, need not say so), an
+    integer one (a float converted) any integer, and a comparison either outcome (one with
+    NaN is false, ne true, whatever the bounds say)."""
+    if isinstance(value, Bool):
+        return Bool(value.true | hazard, value.false | hazard, value.point)
+    if not isinstance(value, Num):
+        return value
+    if _is_float(value):
+        return dataclasses.replace(value, nan=value.nan | hazard)
+    low, high = _whole(jnp.result_type(value.lo))
+    return Num(jnp.where(hazard, low, value.lo), jnp.where(hazard, high, value.hi), value.point)
+
+
 def _without_nan(v: Num) -> Num:
-    """A float interval whose bounds came out NaN (0 * inf at a corner) as the whole line."""
-    if not jnp.issubdtype(jnp.result_type(v.lo), jnp.floating):
+    """A float interval whose bounds came out NaN (0 * inf at a corner) as the whole line, and
+    flagged as possibly NaN."""
+    if not _is_float(v):
         return v
     unknown = jnp.isnan(v.lo) | jnp.isnan(v.hi)
     lo, hi = _whole(jnp.result_type(v.lo))
-    return dataclasses.replace(v, lo=jnp.where(unknown, lo, v.lo), hi=jnp.where(unknown, hi, v.hi))
+    return dataclasses.replace(v, lo=jnp.where(unknown, lo, v.lo), hi=jnp.where(unknown, hi, v.hi), nan=v.nan | unknown)
 
 
 def _as_num(v) -> Num:
@@ -115,25 +142,16 @@ def _is_bool_dtype(aval) -> bool:
 
 # ---- the rules -------------------------------------------------------------------------------
 def _compare(name, a: Num, b: Num) -> Bool:
-    result = _compare_bounds(name, a, b)
-    if not jnp.issubdtype(jnp.result_type(a.lo, b.lo), jnp.floating):
-        return result
-    # A float whose bounds reach an infinity may be NaN inside them (inf - inf, inf * 0), and
-    # a comparison with NaN is false (ne: true) whatever the bounds say: both outcomes possible.
-    unknown = ~(jnp.isfinite(a.lo) & jnp.isfinite(a.hi) & jnp.isfinite(b.lo) & jnp.isfinite(b.hi))
-    return Bool(result.true | unknown, result.false | unknown, result.point)
-
-
-def _compare_bounds(name, a: Num, b: Num) -> Bool:
+    """From the bounds alone; a possibly-NaN float operand is `_after_nan`'s."""
     point = a.point and b.point
     if name == "lt":
         return Bool(a.lo < b.hi, a.hi >= b.lo, point)
     if name == "le":
         return Bool(a.lo <= b.hi, a.hi > b.lo, point)
     if name == "gt":
-        return _compare_bounds("lt", b, a)
+        return _compare("lt", b, a)
     if name == "ge":
-        return _compare_bounds("le", b, a)
+        return _compare("le", b, a)
     meets = (a.lo <= b.hi) & (b.lo <= a.hi)
     same = (a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo)
     if name == "eq":
@@ -160,7 +178,8 @@ def _no_overflow(result: Num, f, a: Num, b: Num) -> Num:
     exact = _corners(f, Num(up(a.lo), up(a.hi), a.point), Num(up(b.lo), up(b.hi), b.point))
     # float32 rounding near the limit: a margin of 2^9 (below float32's spacing there is 2^8).
     wraps = (exact.lo < info.min + 512.0) | (exact.hi > info.max - 512.0)
-    return Num(jnp.where(wraps, info.min, result.lo), jnp.where(wraps, info.max, result.hi), result.point)
+    low, high = _whole(jnp.result_type(result.lo))
+    return Num(jnp.where(wraps, low, result.lo), jnp.where(wraps, high, result.hi), result.point)
 
 
 def _convert(v: Num, dtype) -> Num:
@@ -214,6 +233,14 @@ def _modulo(a: Num, b: Num, floor: bool) -> Num:
     if not _positive_constant(b):
         raise Unsupported("a remainder by a non-constant or negative divisor")
     c = b.lo
+    if jnp.issubdtype(jnp.result_type(a.lo, c), jnp.floating):
+        # A float remainder lies in [0, c) (floored) or (-c, c) with a's sign (truncated), up to
+        # rounding (-tiny mod c rounds to c): no period bookkeeping, whose floor(x / c) may
+        # round otherwise than the remainder.
+        nonneg = a.lo >= 0
+        lo = jnp.zeros_like(a.lo) if floor else jnp.where(nonneg, 0.0, -c)
+        hi = jnp.broadcast_to(c, jnp.shape(a.hi)) if floor else jnp.where(a.hi > 0, c, 0.0)
+        return Num(lo.astype(a.lo.dtype), hi.astype(a.lo.dtype), a.point)
     same_period = jnp.floor_divide(a.lo, c) == jnp.floor_divide(a.hi, c)
     if floor:
         lo = jnp.where(same_period, jnp.mod(a.lo, c), 0)
@@ -318,7 +345,12 @@ def _evaluate(jaxpr, env_values, tables: _RangeTables):
         ins = [read(x) for x in eqn.invars]
         name = eqn.primitive.name
         out = _rule(name, eqn, ins, tables)
-        for var, value in zip(eqn.outvars, out if isinstance(out, tuple) else (out,)):
+        outs = out if isinstance(out, tuple) else (out,)
+        floats = [v for v in ins if _is_float(v)]
+        if floats:
+            hazard = functools.reduce(jnp.logical_or, [_may_be_nan(v) for v in floats])
+            outs = [_after_nan(v, hazard) for v in outs]
+        for var, value in zip(eqn.outvars, outs):
             env[var] = _without_nan(value) if isinstance(value, Num) else value
     return [read(x) for x in jaxpr.outvars]
 

@@ -235,6 +235,8 @@ def test_mosaic_not_implemented():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_xla_backend_is_the_reference(make_inputs, reference_fwd, assert_close, assert_lse_close, dtype, causal):
+    """backend="xla" is the reference, wired through the API (its dtype, lse and options); the
+    reference's mathematics is tested against NumPy in tests/test_reference.py."""
     x = make_inputs(2, 20, 24, 4, 2, 32, dtype=dtype)
     o, lse = flashjax.flash_attention(x.q, x.k, x.v, causal=causal, backend="xla", return_lse=True)
     want_o, want_lse = reference_fwd(x.q, x.k, x.v, causal=causal)

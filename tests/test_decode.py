@@ -428,6 +428,7 @@ def test_jit_vmap_and_traced_lengths(rng):
     q = draw_q(rng, 2, 1, 2, F32)
     lengths = jnp.array([64, 9], jnp.int32)
     want = flashjax.decode_attention(q, cache.k, cache.v, lengths, page_table=cache.page_table)
+    check_close(want, oracle(q, cache, lengths)[0], F32, "o")  # the eager call is the oracle's
 
     @jax.jit
     def step(q, lengths, table):
@@ -452,6 +453,8 @@ def test_latent_cache_under_jit_and_vmap(rng):
     call = lambda q, k, table: flashjax.decode_attention(q, k, None, lengths, page_table=table, v_head_dim=32)
     want = [call(q, c.k, c.page_table) for c in caches]
     assert want[0].shape == (2, 1, 2, 32)
+    for w, c in zip(want, caches):  # the eager calls are the oracle's
+        check_close(w, oracle(q, c, lengths)[0], F32, "o")
     np.testing.assert_allclose(jax.jit(call)(q, caches[0].k, caches[0].page_table), want[0], rtol=1e-6, atol=1e-6)
     got = jax.vmap(call, in_axes=(None, 0, 0))(q, jnp.stack([c.k for c in caches]),
                                                jnp.stack([c.page_table for c in caches]))

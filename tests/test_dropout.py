@@ -238,10 +238,11 @@ def test_keep_threshold_rounds_the_rate_to_16_bits():
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.9, 1 - 1e-5, 1 - 1e-6])
 def test_kept_weights_are_scaled_by_the_rate_as_drawn(rate, key):
     """A kept weight is scaled by 1 / P(keep) of the rate rounded to 16 bits, so that a weight's
-    expectation is unchanged: at a rate of 1 - 1e-5, 1 / (1 - rate) would make it 0.65."""
+    expectation is unchanged: at a rate of 1 - 1e-5, 1 / (1 - rate) would make it 1.53."""
     keep_probability = (2**16 - dropout.keep_threshold(rate)) / 2**16
     assert dropout.keep_scale(rate) * keep_probability == pytest.approx(1.0, rel=1e-15)
-    assert dropout.keep_scale(rate) == pytest.approx(1 / (1 - rate), rel=2**-16 / (1 - rate))
+    if rate <= 0.9:  # where the rate's rounding (<= 2^-17) is small against 1 - rate
+        assert dropout.keep_scale(rate) == pytest.approx(1 / (1 - rate), rel=2**-16 / (1 - rate))
     # The reference and the kernels scale alike: q = 0 (uniform weights) and v = 1 make each
     # output row (number kept) * keep_scale / Tk.
     q = jnp.zeros((1, 64, 2, 16), jnp.float32)

@@ -544,12 +544,18 @@ _TENS = jnp.arange(8, dtype=jnp.int32) * 10
     pytest.param(lambda b, h, i, j: i.astype(jnp.float32) * jnp.inf > j.astype(jnp.float32), id="nan-bounds"),
     pytest.param(lambda b, h, i, j: ~(i.astype(jnp.float32) * jnp.inf > j.astype(jnp.float32)) | (j == 0),
                  id="nan-bounds-negated"),
+    pytest.param(lambda b, h, i, j: jnp.clip(i.astype(jnp.float32) * jnp.inf, 0.0, 1.0) < 2.0, id="nan-through-clip"),
+    pytest.param(lambda b, h, i, j: jnp.sign(i.astype(jnp.float32) * jnp.inf) < 2.0, id="nan-through-sign"),
+    pytest.param(lambda b, h, i, j: jnp.remainder(j.astype(jnp.float32) * 0.5, 3.0) > 2.2, id="float-remainder"),
+    pytest.param(lambda b, h, i, j: (j.astype(jnp.float32) + 0.25) % 0.5 > 0.1, id="float-remainder-by-half"),
 ])
 def test_block_mask_on_intervals_is_sound_at_the_integer_minimum_and_nan(mask_mod, request):
     """-min and |min| wrap to min in int32, a bound widened by an overflow is not one position
-    of a read, and 0 * inf gives NaN bounds (and NaN values, for which every comparison is
-    false): none of these calls a tile empty or full that is not, and attention under the
-    mask (with the first key always visible) equals the reference's on the dense mask."""
+    of a read, 0 * inf gives NaN bounds and NaN values (for which every comparison is false),
+    which a clip or a sign hides inside finite bounds, and a float remainder lies in [0, c),
+    not an integer's [0, c - 1]: none of these calls a tile empty or full that is not, and
+    attention under the mask (with the first key always visible) equals the reference's on
+    the dense mask."""
     args = (2, 1, 64, 64, 16, 16)
     want = _dense_classes(mask_mod, *args)
     blocks = flashjax.block_mask(mask_mod, *args[:4], block_q=16, block_k=16).blocks

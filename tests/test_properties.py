@@ -530,6 +530,9 @@ def scaled_cases(draw):
 
 @examples(8)
 @given(case=scaled_cases())
+# Large logits without a softcap, which the ci profile's fixed draws do not reach.
+@example(case=Case(SHAPES[1], jnp.float32, 0, 30.0, {"causal": False}, None))
+@example(case=Case(SHAPES[2], jnp.bfloat16, 1, 30.0, {"causal": True}, None))
 def test_huge_and_tiny_logits(case):
     """Near-uniform (tiny logits) and near-one-hot (huge logits) rows match the reference,
     forward and backward, in every dtype.
@@ -765,7 +768,8 @@ def test_a_nan_lse_cotangent_on_rows_without_keys_stays_there(backend, emptied_b
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w)
         assert np.isfinite(g).all(), name
-        np.testing.assert_array_equal(g[0, :2] if name == "dq" else 0.0, 0.0)
+        if name == "dq":  # the rows without keys
+            np.testing.assert_array_equal(g[0, :2], 0.0)
         np.testing.assert_allclose(g, w, rtol=tolerance(dtype), atol=tolerance(dtype), err_msg=name)
 
 
