@@ -54,7 +54,7 @@ def _attention(q, k, v, extras: Extras, params: AttentionParams):
     return o.astype(q.dtype), lse
 
 
-def _first_order_only(fn, backend_name: str):
+def first_order_only(fn, backend_name: str):
     """`fn` (a kernel call inside the VJP's forward or backward) as is, or, for a kernel
     backend, behind a JVP rule that raises: differentiating the VJP itself (a second
     derivative) would differentiate the Pallas kernels, which have no derivative rules."""
@@ -76,7 +76,7 @@ def _attention_fwd(q, k, v, extras: Extras, params: AttentionParams):
     # With params.float32_residual the forward's o is float32: the backward's delta =
     # rowsum(dO * O) then does not see O's rounding to the input dtype.
     forward = functools.partial(backends.get(params.backend).forward, params=params, config=params.config)
-    o, lse = _first_order_only(forward, params.backend)(q, k, v, extras)
+    o, lse = first_order_only(forward, params.backend)(q, k, v, extras)
     return (o.astype(q.dtype), lse), (q, k, v, extras, o, lse)
 
 
@@ -85,7 +85,7 @@ def _attention_bwd(params: AttentionParams, residuals, cotangents):
     do, dlse = cotangents
     backward = functools.partial(backends.get(params.backward_backend).backward, params=params,
                                  config=params.backward_config)
-    dq, dk, dv, dextras = _first_order_only(backward, params.backward_backend)(q, k, v, o, lse, do, dlse, extras)
+    dq, dk, dv, dextras = first_order_only(backward, params.backward_backend)(q, k, v, o, lse, do, dlse, extras)
     # The differentiable extras: the bias, the sinks and the float arrays score_mod closes
     # over; None marks zero cotangents (and those of every other input).
     cast = lambda g, x: None if g is None else g.astype(x.dtype)

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import backends, checks, flex
+from flashjax import autodiff, backends, checks, flex
 from flashjax.kernels.common import fold_sinks, merge
 from flashjax.params import AttentionParams, Call, Extras
 
@@ -424,7 +424,8 @@ def _block_forward(ring: _Ring, q, k, v, causal: bool, seg, mods=None, position=
     map (`_positions`).
     """
     params = ring.params(causal)
-    o, lse = backends.get(params.backend).forward(q, k, v, _extras(ring, seg, mods, position), params, params.config)
+    forward = functools.partial(backends.get(params.backend).forward, params=params, config=params.config)
+    o, lse = autodiff.first_order_only(forward, params.backend)(q, k, v, _extras(ring, seg, mods, position))
     return o.astype(jnp.float32), lse
 
 
@@ -432,9 +433,10 @@ def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg, m
     """This block's share of (dq, dk, dv), float32, given the *global* o and lse, and of the
     gradients of the score_mod's float closed-over arrays (`_const_grads`)."""
     params = ring.params(causal)
-    backward = backends.get(params.backward_backend).backward
+    backward = functools.partial(backends.get(params.backward_backend).backward, params=params,
+                                 config=params.backward_config)
     extras = _extras(ring, seg, mods, position)
-    dq, dk, dv, dextras = backward(q, k, v, o, lse, do, dlse, extras, params, params.backward_config)
+    dq, dk, dv, dextras = autodiff.first_order_only(backward, params.backward_backend)(q, k, v, o, lse, do, dlse, extras)
     dconsts = None
     if mods is not None:
         grads = dextras.score_consts

@@ -386,3 +386,17 @@ def test_ring_on_gpus(case, request):
         case["batch_axis"] = "dp"
     defaults = dict(seq_q=1024, heads=4, kv_heads=2, head_dim=128, dtype="bfloat16", backend="auto")
     check_ring(seed=zlib.crc32(request.node.nodeid.encode()), mesh_shape=mesh_shape, **(defaults | case))
+
+
+def test_ring_second_derivatives_raise_a_clear_error():
+    """Grad of grad and a Hessian-vector product of ring attention on the kernels raise the
+    error that names backend="xla" (the ring's own custom VJP calls the kernels), and its
+    gradient is unchanged."""
+    mesh = jax.make_mesh((1,), ("sp",))
+    q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16))
+    loss = lambda q, backend: jnp.sum(jnp.sin(ring_attention(q, q, q, mesh=mesh, axis_name="sp", backend=backend)))
+    with pytest.raises(NotImplementedError, match="second derivatives.*backend='xla'"):
+        jax.jvp(lambda q: jax.grad(loss)(q, "triton"), (q,), (q,))
+    with pytest.raises(NotImplementedError, match="second derivatives.*backend='xla'"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q, "triton") ** 2))(q)
+    np.testing.assert_allclose(jax.grad(loss)(q, "triton"), jax.grad(loss)(q, "xla"), rtol=1e-5, atol=1e-5)
