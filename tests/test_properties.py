@@ -696,10 +696,11 @@ def test_half_precision_dbias_is_that_of_the_rounded_output(dtype, seed):
 ], ids=["default", "float32_residual"])
 def test_half_precision_high_dropout_peaked_rows(dtype, float32_residual):
     # 128 one-key rows, about 13 of them kept: for this draw the residue exceeds the tolerance
-    # in both dtypes (1.5x in float16, 2x in bfloat16). With a few rows, whether it does
-    # depends on which of them the draw keeps.
+    # in both dtypes (on the CPU, with kept weights scaled by 1 / P(keep) = 65536 / 6554). With
+    # a few rows, whether it does depends on which of them the draw keeps (key 1 did in both
+    # with a scale of exactly 10, and not in float16 since).
     shape = Shape(1, 128, 128, 1, 1, 16)
-    options = dict(window=(0, 0), dropout_rate=HIGH_DROPOUT, dropout_rng=jax.random.key(1))
+    options = dict(window=(0, 0), dropout_rate=HIGH_DROPOUT, dropout_rng=jax.random.key(3))
     case = Case(shape, dtype, 0, 1.0, dict(options, float32_residual=float32_residual), None)
     x = make_inputs(case)
     assert_matches(flash_outputs(x, case.options, "triton"), reference_outputs(x, case.options), dtype)
