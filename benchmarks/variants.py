@@ -26,7 +26,9 @@ with its default implementation); a peer that is not installed is recorded as un
 Measured with `flashjax.benchmark` (its docstring has the protocol): each
 implementation's output (forward) or dq (forward+backward) is first checked against
 the float32 reference on CHECK_ROWS query rows of batch row 0 and two heads, with the
-variant's options cut to those rows (a mismatch is not timed), then timed as the
+variant's options cut to those rows, and for forward+backward dk and dv of those heads
+over every query row (`VariantChecker.expected_kv_grads`; dropout rows: dq alone); a
+mismatch is not timed. Then each cell is timed as the
 median of >= 10 repetitions. FLOPs are those of the dense problem (4 B H T^2 D, x3.5
 for fwd+bwd), so a variant that skips work shows an "effective" rate above the dense
 one; the `useful_fraction` column gives the fraction of (q, k) pairs that are visible.
