@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import importlib
 import json
-import math
 import platform
 import sys
 import time
@@ -309,36 +308,17 @@ class VariantChecker:
     def expected_kv_grads(self, case: Case, q, k, v, do):
         """(dk, dv) [1, T, CHECK_HEADS, D] of batch row 0 from every query row, or None with
         dropout (the reference would draw a chunk's keep mask from its own row 0)."""
-        import jax
         import jax.numpy as jnp
-
-        from flashjax import reference
 
         if case.options.get("dropout_rate"):
             return None
         key = (case, "kv")
         if key not in self._cache:
             f32 = lambda x: x.astype(jnp.float32)
-            qs, dos = f32(q[:1, :, :CHECK_HEADS]), f32(do[:1, :, :CHECK_HEADS])
-            ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
-            chunk = math.gcd(case.seq, self.chunk)
-            is_array = lambda x: bool(jax.tree.leaves(x)) and all(hasattr(a, "shape") for a in jax.tree.leaves(x))
-            first = _chunk_options(case, 0, chunk)
-            static = {name: value for name, value in first.items() if not is_array(value)}
-
-            # One program for every chunk: its rows' arrays (mask, bias, ids, lengths) are arguments.
-            @jax.jit
-            def share(q_rows, do_rows, arrays):
-                attend = lambda k_, v_: reference.attention(q_rows, k_, v_, **arrays, **static)
-                return jax.vjp(attend, ks, vs)[1](do_rows)
-
-            dk, dv = jnp.zeros_like(ks), jnp.zeros_like(vs)
-            for start in range(0, case.seq, chunk):
-                options = _chunk_options(case, start, start + chunk)
-                arrays = {name: jax.tree.map(jnp.asarray, value) for name, value in options.items() if name not in static}
-                part = share(qs[:, start:start + chunk], dos[:, start:start + chunk], arrays)
-                dk, dv = dk + part[0], dv + part[1]
-            self._cache[key] = (np.asarray(dk), np.asarray(dv))
+            heads = lambda x: f32(x[:1, :, :CHECK_HEADS])
+            rows_options = lambda start, end: _chunk_options(case, start, end)
+            self._cache[key] = benchmark.reference_kv_grads(heads(q), heads(k), heads(v), heads(do), rows_options,
+                                                            chunk=self.chunk)
         return self._cache[key]
 
     def check(self, case: Case, mode: str, result, q, k, v, do) -> dict:

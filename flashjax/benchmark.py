@@ -45,7 +45,7 @@ import numpy as np
 from flashjax.tuning import device_slug
 
 __all__ = [
-    "Cell", "flops", "median_time", "rel_err", "make_inputs", "timed_fn", "compile_cell", "Checker",
+    "Cell", "flops", "median_time", "rel_err", "make_inputs", "timed_fn", "compile_cell", "Checker", "reference_kv_grads",
     "record", "load_results", "save_results", "TOKENS", "TOLERANCE", "CHECK_ROWS",
     "config_overrides", "parse_list", "parse_seq", "causal_values",
 ]
@@ -222,6 +222,44 @@ def compile_cell(cell: Cell, fn, args, operands=None):
     return call, temp
 
 
+def reference_kv_grads(qs, ks, vs, dos, rows_options, chunk: int = 512):
+    """(dk, dv) as NumPy arrays: the float32 reference's gradients of all query rows `qs`
+    [1, Tq, H, D] (cotangents `dos`) over `ks`, `vs` [1, Tk, Hkv, D].
+
+    dk and dv sum over every query row, so no slice of rows checks them; the reference runs
+    over chunks of query rows (each chunk's vjp is its rows' share), never holding more than
+    a chunk's scores. ``rows_options(start, end)`` gives the reference's options for rows
+    [start, end) alone (what depends on a row's position, causal masks, ALiBi, stated for
+    these rows); its arrays are arguments of one compiled program, the rest the same for
+    every chunk."""
+    import jax
+    import jax.numpy as jnp
+
+    from flashjax import reference
+
+    seq_q = qs.shape[1]
+    chunk = math.gcd(seq_q, chunk)
+    is_array = lambda x: bool(jax.tree.leaves(x)) and all(hasattr(a, "shape") for a in jax.tree.leaves(x))
+    static = {name: value for name, value in rows_options(0, chunk).items() if not is_array(value)}
+
+    def share(q_rows, do_rows, arrays):
+        attend = lambda k_, v_: reference.attention(q_rows, k_, v_, **arrays, **static)
+        return jax.vjp(attend, ks, vs)[1](do_rows)
+
+    def arrays_of(start):
+        options = rows_options(start, start + chunk)
+        return {name: jax.tree.map(jnp.asarray, value) for name, value in options.items() if name not in static}
+
+    # The reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
+    compile_options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
+    compiled = jax.jit(share).lower(qs[:, :chunk], dos[:, :chunk], arrays_of(0)).compile(compile_options)
+    dk, dv = jnp.zeros_like(ks), jnp.zeros_like(vs)
+    for start in range(0, seq_q, chunk):
+        part = compiled(qs[:, start:start + chunk], dos[:, start:start + chunk], arrays_of(start))
+        dk, dv = dk + part[0], dv + part[1]
+    return np.asarray(dk), np.asarray(dv)
+
+
 class Checker:
     """The float32 reference, per problem: the output or dq on the last CHECK_ROWS query rows
     of batch row 0, and dk, dv of batch row 0's first kv heads from every query row."""
@@ -265,42 +303,23 @@ class Checker:
         return e["rows"], problem["heads"], e["out"], e["dq"]
 
     def expected_kv_grads(self, cell: Cell, q, k, v, do):
-        """(kv_heads, dk, dv): the reference's dk, dv [1, Tk, kv_heads, D] of batch row 0.
-
-        dk and dv sum over every query row, so no slice of rows checks them; the reference
-        runs over chunks of query rows (each chunk's vjp is its rows' share), never holding
-        more than a chunk's scores."""
-        import jax
+        """(kv_heads, dk, dv): the reference's dk, dv [1, Tk, kv_heads, D] of batch row 0
+        (`reference_kv_grads`)."""
         import jax.numpy as jnp
-
-        from flashjax import reference
 
         problem = self._problem(cell, q, k, v, do)
         if "kv_grads" not in problem:
             qs, ks, vs, dos = problem["slices"]
             seq_q, seq_k = qs.shape[1], ks.shape[1]
-            chunk = math.gcd(seq_q, 512)
 
-            def share(grads, start, qs, ks, vs, dos):
-                q_rows = jax.lax.dynamic_slice_in_dim(qs, start, chunk, 1)
-                do_rows = jax.lax.dynamic_slice_in_dim(dos, start, chunk, 1)
-                mask = None
-                if cell.causal:  # the chunk's own positions, bottom-right aligned as in the call
-                    rows = start + jnp.arange(chunk)
-                    mask = (jnp.arange(seq_k)[None, :] <= rows[:, None] + (seq_k - seq_q))[None, None]
-                attend = lambda k_, v_: reference.attention(q_rows, k_, v_, mask=mask, scale=cell.scale)
-                dk, dv = jax.vjp(attend, ks, vs)[1](do_rows)
-                return (grads[0] + dk, grads[1] + dv), None
+            def rows_options(start, end):
+                if not cell.causal:
+                    return {"scale": cell.scale}
+                # The rows' own positions, bottom-right aligned as in the call.
+                rows = jnp.arange(start, end)[:, None] + (seq_k - seq_q)
+                return {"scale": cell.scale, "mask": (jnp.arange(seq_k)[None, :] <= rows)[None, None]}
 
-            def kv_grads(qs, ks, vs, dos):
-                step = lambda grads, start: share(grads, start, qs, ks, vs, dos)
-                return jax.lax.scan(step, (jnp.zeros_like(ks), jnp.zeros_like(vs)), jnp.arange(0, seq_q, chunk))[0]
-
-            # Arguments, not constants of the program (which XLA would fold at compile time);
-            # the reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
-            options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
-            dk, dv = jax.jit(kv_grads).lower(qs, ks, vs, dos).compile(options)(qs, ks, vs, dos)
-            problem["kv_grads"] = np.asarray(dk), np.asarray(dv)
+            problem["kv_grads"] = reference_kv_grads(qs, ks, vs, dos, rows_options)
         return (problem["kv_heads"], *problem["kv_grads"])
 
     def check(self, cell: Cell, result, q, k, v, do) -> dict:

@@ -78,8 +78,8 @@ def _num(x, point=True, const=None) -> Num:
 
 
 def _whole(dtype) -> tuple:
-    """The bounds that hold every value of dtype (floats: NaN aside, which comparisons treat
-    as unknown: `_compare`)."""
+    """The bounds that hold every value of dtype (floats: NaN aside, which `_after_nan`
+    tracks)."""
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         return jnp.asarray(info.min, dtype), jnp.asarray(info.max, dtype)
@@ -200,7 +200,8 @@ def _convert(v: Num, dtype) -> Num:
 
 def _divide(a: Num, b: Num, floor: bool) -> Num:
     """a / b (truncated for integers, or floored with `floor`) for a constant nonzero b."""
-    if not _is_constant(b):
+    c = _known(b)
+    if c is None or not np.all(c != 0):
         raise Unsupported("a division by a value not known to be nonzero")
     if jnp.issubdtype(jnp.result_type(a.lo), jnp.integer):
         op = jnp.floor_divide if floor else lax.div
@@ -210,27 +211,22 @@ def _divide(a: Num, b: Num, floor: bool) -> Num:
     return _corners(op, a, b)
 
 
-def _is_constant(v: Num) -> bool:
-    """Whether v is one nonzero value known while tracing: a literal of the program, or a
-    concrete array (classify runs under jit, where only the literals are known)."""
+def _known(v: Num):
+    """v's value as a NumPy array where it is one value known while tracing (a literal of the
+    program, or a concrete array: classify runs under jit, where only the literals are
+    known), else None."""
     if v.const is not None:
-        return bool(np.all(np.asarray(v.const) != 0))
+        return np.asarray(v.const)
     try:
-        return bool(jnp.all(v.lo == v.hi)) and bool(jnp.all(v.lo != 0))
+        return np.asarray(v.lo) if bool(jnp.all(v.lo == v.hi)) else None
     except jax.errors.ConcretizationTypeError:  # a traced value
-        return False
-
-
-def _positive_constant(v: Num) -> bool:
-    """`_is_constant` and positive."""
-    if not _is_constant(v):
-        return False
-    return bool(np.all(np.asarray(v.const) > 0)) if v.const is not None else bool(jnp.all(v.lo > 0))
+        return None
 
 
 def _modulo(a: Num, b: Num, floor: bool) -> Num:
     """a rem b (sign of a) or, with `floor`, a mod b (sign of b), for a positive constant b."""
-    if not _positive_constant(b):
+    known = _known(b)
+    if known is None or not np.all(known > 0):
         raise Unsupported("a remainder by a non-constant or negative divisor")
     c = b.lo
     if jnp.issubdtype(jnp.result_type(a.lo, c), jnp.floating):
@@ -459,7 +455,8 @@ def _call(eqn, inner, ins, tables):
     if (name in ("floor_divide", "remainder") and len(ins) == 2 and not any(isinstance(v, Array) for v in ins)
             and _is_jnp(name, eqn)):
         a, b = (_as_num(v) for v in ins)
-        if _positive_constant(b):
+        c = _known(b)
+        if c is not None and np.all(c > 0):
             return _divide(a, b, floor=True) if name == "floor_divide" else _modulo(a, b, floor=True)
     jaxpr, consts = inner
     return tuple(_evaluate(jaxpr, [*map(_const, consts), *ins], tables))
