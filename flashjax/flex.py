@@ -31,6 +31,7 @@ kernel's tiles (`tile_flags`) and folds it into the per-tile ranges of
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import operator
@@ -125,7 +126,7 @@ class Mod:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
-    def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None):
+    def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None, propagate_nan: bool = False):
         """Evaluates the function on a tile inside a kernel.
 
         Args:
@@ -135,18 +136,24 @@ class Mod:
           grad: also return d score_mod / d score at each element (score_mod only).
           shape: the tile's shape, where `args` may not span it (`Along` vectors, unused
             positions passed as scalars); by default the broadcast of the arrays.
+          propagate_nan: evaluate a float max, min or clamp as XLA does (NaN where an
+            operand is NaN), for a lowering whose own rule returns the other operand.
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
           slopes is None for an `additive` score_mod (its derivative is 1: nothing to multiply).
         """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
-        if grad and self.additive:
-            return _evaluate_tile(self.jaxpr, consts, args, shape)[0], None
-        if grad:
-            jaxpr, own = self._value_and_slope
-            return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), shape))
-        return _evaluate_tile(self.jaxpr, consts, args, shape)[0]
+        token = _PROPAGATE_NAN.set(propagate_nan)
+        try:
+            if grad and self.additive:
+                return _evaluate_tile(self.jaxpr, consts, args, shape)[0], None
+            if grad:
+                jaxpr, own = self._value_and_slope
+                return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), shape))
+            return _evaluate_tile(self.jaxpr, consts, args, shape)[0]
+        finally:
+            _PROPAGATE_NAN.reset(token)
 
     @functools.cached_property
     def _read_sides(self) -> dict:
@@ -667,6 +674,24 @@ REWRITTEN = {
 }
 
 
+# Set by `Mod.tile(propagate_nan=True)` while it evaluates: `_bind` then gives a float max,
+# min or clamp XLA's NaN (Pallas' Triton lowering, JAX 0.11.2, lowers them to maxnumf /
+# minnumf, which return the other operand; a mask_mod's `clip(nan, 0, 1) < 2` would hold
+# there and not in the reference).
+_PROPAGATE_NAN = contextvars.ContextVar("flashjax_flex_propagate_nan", default=False)
+_MIN_MAX = (lax.max_p, lax.min_p, lax.clamp_p)
+
+
+def _nan_if_any_nan(out, ins):
+    """`out` where no value of `ins` is NaN, NaN where one is (the dtype's own NaN)."""
+    for v in ins:
+        if isinstance(v, jax.core.Tracer) or np.ndim(v) > 0:
+            out = jnp.where(v != v, jnp.asarray(np.nan, out.dtype), out)
+        elif np.isnan(v):
+            return jnp.full_like(out, np.nan)
+    return out
+
+
 def _bind(eqn, ins) -> list:
     """Applies an equation's primitive to values (as `jax.core.eval_jaxpr` does)."""
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -692,6 +717,9 @@ def _bind(eqn, ins) -> list:
         # ... must be divisible by 8, got 2"); an xor with True is the same value.
         return [jnp.logical_xor(ins[0], True)]
     outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    if (eqn.primitive in _MIN_MAX and _PROPAGATE_NAN.get()
+            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
+        return [_nan_if_any_nan(outs, ins)]
     return outs if eqn.primitive.multiple_results else [outs]
 
 

@@ -1656,3 +1656,23 @@ def test_random_mods_on_auto(seed):
     arrays, options = random_mods(rng, s)
     got, want = run_both(draw(rng, s, jnp.bfloat16), options, arrays, config=None, backend="auto")
     assert_matches(got, want, jnp.bfloat16)
+
+
+def test_nan_propagation_for_the_triton_lowering():
+    """`Mod.tile(propagate_nan=True)` gives a float max / min / clamp XLA's NaN where an operand
+    is NaN: Pallas' Triton lowering returns the other operand (maxnumf), so a mask_mod's
+    `clip(nan, 0, 1) < 2` would attend there and not in the reference. Checked here on the
+    helper, with a result that hides the NaN as that lowering does (the GPU runs the kernel:
+    the nan-through-clip case above)."""
+    hidden = jnp.asarray([0.5, 1.0, 0.25], jnp.float32)  # maxnumf(nan, 0.5) = 0.5
+    x = jnp.asarray([np.nan, 1.0, 0.25], jnp.float32)
+    got = flex._nan_if_any_nan(hidden, [x, np.float32(0.5)])
+    np.testing.assert_array_equal(np.isnan(np.asarray(got)), [True, False, False])
+    np.testing.assert_array_equal(np.asarray(got)[1:], [1.0, 0.25])
+    assert np.isnan(np.asarray(flex._nan_if_any_nan(hidden, [x, np.float32(np.nan)]))).all()
+    # Through Mod.tile: the rewrite runs for max, min and clamp, and only when asked.
+    mod, _ = flex.trace(lambda b, h, i, j: jnp.clip(i.astype(jnp.float32) * jnp.inf, 0.0, 1.0) < 2.0, flex.MASK_MOD)
+    rows, cols = jnp.arange(4)[:, None], jnp.arange(4)[None, :]
+    eqns = lambda **kw: str(jax.make_jaxpr(lambda r, c: mod.tile((), 0, 0, r, c, **kw))(rows, cols))
+    assert eqns(propagate_nan=True).count(" ne ") == 2 and " ne " not in eqns()
+    np.testing.assert_array_equal(np.asarray(mod.tile((), 0, 0, rows, cols, propagate_nan=True))[0], [False] * 4)
