@@ -264,14 +264,18 @@ def _decode(q, cache: KVCache, sinks, params: DecodeParams, layout):
         mesh, _, head_axis = layout
         if sinks is not None:  # laid out as the heads of the lse they join
             sinks = checks.place_on_mesh(mesh, sinks, jax.sharding.PartitionSpec(head_axis))
-    return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
+    # The backends return float32 outputs: rounded to q's dtype once, after the sinks.
+    return out.astype(q.dtype), lse
 
 
 def _step(q, cache: KVCache, params: DecodeParams):
     # Traced values escape the API's checks: keep every read inside the cache.
     lengths = jnp.clip(cache.lengths, 0, cache.capacity)
     if cache.page_table is not None:
-        cache = cache._replace(page_table=jnp.clip(cache.page_table.astype(jnp.int32), 0, cache.k.shape[0] - 1))
+        # Clipped before the cast: an int64 entry past int32 (under x64) must not wrap into range.
+        cache = cache._replace(page_table=jnp.clip(cache.page_table, 0, cache.k.shape[0] - 1).astype(jnp.int32))
     return _forward_only(q, cache._replace(lengths=lengths), params)
 
 

@@ -83,7 +83,8 @@ def _dense(x, scale, page_table, dtype):
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
-    """o [B, q_len, H, Dv] in q's dtype and the lse [B, H, q_len] of a decode call, by the reference.
+    """o [B, q_len, H, Dv] (float32, float64 for a float64 q) and the lse [B, H, q_len] of a decode
+    call, by the reference.
 
     Materialises the cache (gathered, in float32) and the [B, H, q_len, capacity] scores.
     """
@@ -97,8 +98,8 @@ def decode(q, cache: KVCache, params: DecodeParams):
     # Query i of a sequence of length L sits at key position L - q_len + i.
     rows = lengths - q_len + jnp.arange(q_len)[:, None]
     allowed = params.mask_spec(q_len).allowed(rows, jnp.arange(capacity)[None, :], kv_length=lengths)
-    o, lse = reference.attention(q, k, v, scale=params.scale, softcap=params.softcap, mask=allowed, return_lse=True)
-    return o.astype(q.dtype), lse
+    return reference.attention(q.astype(dtype), k, v, scale=params.scale, softcap=params.softcap, mask=allowed,
+                               return_lse=True)
 
 
 BACKEND = backends.Backend(

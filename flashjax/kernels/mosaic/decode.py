@@ -86,7 +86,8 @@ def splits(batch: int, kv_heads: int, rows: int, capacity: int, requested: int |
 
 
 def decode(q, cache: KVCache, params: DecodeParams, *, forward):
-    """o [B, q_len, H, D] in q's dtype and the natural-log lse [B, H, q_len].
+    """o float32 [B, q_len, H, D] (the caller rounds it to q's dtype once, after folding any
+    sinks in) and the natural-log lse [B, H, q_len].
 
     Args:
       q: [B, q_len, H, D]; cache: a `KVCache`, contiguous (k, v [B, L, Hkv, D]) or paged (k, v
@@ -132,5 +133,4 @@ def decode(q, cache: KVCache, params: DecodeParams, *, forward):
     o = o.reshape(batch, count, q_len, group, kv_heads, head_dim).transpose(1, 0, 2, 4, 3, 5)
     o = o.reshape(count, batch, q_len, heads, head_dim).astype(jnp.float32)
     lse = lse.reshape(batch, count, kv_heads, q_len, group).transpose(1, 0, 2, 4, 3).reshape(count, batch, heads, q_len)
-    out, out_lse = common.merge_splits(o, lse)
-    return out.astype(q.dtype), out_lse
+    return common.merge_splits(o, lse)

@@ -489,7 +489,8 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
 
 
 def decode(q, cache: KVCache, params: DecodeParams):
-    """The Triton decode path: o [B, q_len, H, Dv] in q's dtype and the natural-log lse [B, H, q_len]."""
+    """The Triton decode path: o float32 [B, q_len, H, Dv] (the caller rounds it to q's dtype once,
+    after folding any sinks in) and the natural-log lse [B, H, q_len]."""
     batch, q_len, heads, _ = q.shape
     kv_heads = cache.k.shape[2]
     t = tiling(q, cache, params.num_splits, params.sm_count, params.config, params.v_head_dim)
@@ -500,5 +501,4 @@ def decode(q, cache: KVCache, params: DecodeParams):
     o = o.transpose(2, 0, 3, 1, 4, 5).reshape(t.num_splits, batch, q_len, heads, dv)
     lse = lse2[:, :, :, : t.rows].reshape(batch, kv_heads, t.num_splits, q_len, t.group) * common.LN2
     lse = lse.transpose(2, 0, 1, 4, 3).reshape(t.num_splits, batch, heads, q_len)
-    out, out_lse = common.merge_splits(o, lse)
-    return out.astype(q.dtype), out_lse
+    return common.merge_splits(o, lse)
