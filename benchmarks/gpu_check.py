@@ -36,6 +36,7 @@ GROUPS = {
     # run the group with -n 1).
     "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus",
                  "tests/test_sharding.py::test_explicit_layouts_on_gpus",
+                 "tests/test_sharding.py::test_inside_user_shard_map_on_gpus",
                  "tests/test_decode.py::test_decode_on_explicit_meshes_on_gpus"],
 }
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import autodiff, backends, checks, dropout, flex
+from flashjax.kernels.common import varying_axes
 from flashjax.params import AttentionParams, Call, Extras
 
 __all__ = ["flash_attention", "explain"]
@@ -329,7 +330,7 @@ def _prepare(q, k, v, *, causal=False, scale=None, bias=None, mask=None, segment
         platform=platform, compute_capability=capability,
         pair_arrays=tuple((name, tuple(given[name].shape), jnp.dtype(given[name].dtype).name)
                           for name in ("bias", "mask") if given[name] is not None),
-        score_mod=score, mask_mod=masked,
+        score_mod=score, mask_mod=masked, varying_axes=tuple(sorted(varying_axes(q, k, v, extras))),
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, dropout_rate=dropout_rate,

@@ -19,6 +19,7 @@ import functools
 import jax
 
 from flashjax import backends
+from flashjax.kernels.common import vary_alike
 from flashjax.params import AttentionParams, Extras
 
 
@@ -36,7 +37,9 @@ def attention(q, k, v, extras: Extras, params: AttentionParams):
     forward = backends.get(params.backend)
     if forward.differentiable and params.backward_backend == params.backend:
         return forward.forward(q, k, v, extras, params, params.config)
-    return _attention(q, k, v, prepare(q, k, v, extras, params), params)
+    # Inside jax.shard_map, every input varies over the same mesh axes (see vary_alike).
+    q, k, v, extras = vary_alike((q, k, v, prepare(q, k, v, extras, params)))
+    return _attention(q, k, v, extras, params)
 
 
 def prepare(q, k, v, extras: Extras, params: AttentionParams) -> Extras:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import backends, checks
-from flashjax.kernels.common import fold_sinks
+from flashjax.kernels.common import fold_sinks, varying_axes
 from flashjax.params import DecodeCall, DecodeParams, KVCache
 
 __all__ = ["decode_attention", "explain_decode"]
@@ -243,7 +243,7 @@ def _prepare(q, k_cache, v_cache, kv_lengths, *, page_table, causal, window, sof
         cache_dtype=jnp.dtype(k_cache.dtype), capacity=capacity, page_size=page_size,
         scales=None if k_scale is None else ("head" if k_scale.ndim == 1 else "page"), causal=bool(causal),
         window=window, softcap=softcap, platform=platform, compute_capability=capability,
-        v_head_dim=v_head_dim, latent=latent,
+        v_head_dim=v_head_dim, latent=latent, varying_axes=tuple(sorted(varying_axes(q, cache))),
     )
     params = dict(
         scale=scale, causal=bool(causal), window=window, softcap=softcap, num_splits=num_splits,

@@ -43,6 +43,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from flashjax.kernels.common import vary_alike
+
 __all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
 
 SCORE_MOD, MASK_MOD = "score_mod", "mask_mod"
@@ -694,6 +696,12 @@ def _nan_if_any_nan(out, ins):
 
 def _bind(eqn, ins) -> list:
     """Applies an equation's primitive to values (as `jax.core.eval_jaxpr` does)."""
+    if eqn.primitive.name == "pvary":
+        # A mod traced inside jax.shard_map (check_vma=True) casts values to vary over the
+        # mesh axes of the arrays it closes over; the values here may vary over other axes (the
+        # derivative program's traced arrays vary over none) or none (in a kernel), so each
+        # equation's operands are cast alike below instead.
+        return list(ins)
     params = eqn.primitive.get_bind_params(eqn.params)
     # JAX versions differ: some return (subfuns, params), others the params alone.
     subfuns, params = params if isinstance(params, tuple) else ((), params)
@@ -710,6 +718,7 @@ def _bind(eqn, ins) -> list:
             outs = eqn.primitive.bind(*ins, **params)
         outs = outs if eqn.primitive.multiple_results else [outs]
         return [np.asarray(o)[()] for o in outs]
+    ins = vary_alike(ins)
     if eqn.primitive.name in REWRITTEN:
         return [REWRITTEN[eqn.primitive.name][1](*ins)]
     if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:

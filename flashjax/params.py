@@ -76,6 +76,8 @@ class Call:
         mask), with size-1 broadcast dims.
       score_mod, mask_mod: the user functions as traced `flex.Mod`s (what a backend's kernels
         must evaluate), or None.
+      varying_axes: the mesh axes the inputs vary over inside `jax.shard_map` with
+        check_vma=True (sorted), else ().
     """
 
     batch: int
@@ -98,6 +100,7 @@ class Call:
     pair_arrays: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     score_mod: Any = None
     mask_mod: Any = None
+    varying_axes: tuple[str, ...] = ()
 
     @property
     def scores(self) -> int:
@@ -199,7 +202,7 @@ class DecodeCall:
       page_size: None for a contiguous cache.
       scales: "head", "page" (float8 scales per kv head / per page) or None.
       causal, window, softcap: the static options.
-      platform, compute_capability: as in `Call`.
+      platform, compute_capability, varying_axes: as in `Call`.
     """
 
     batch: int
@@ -219,6 +222,7 @@ class DecodeCall:
     compute_capability: str = ""
     v_head_dim: int | None = None
     latent: bool = False
+    varying_axes: tuple[str, ...] = ()
 
     @property
     def scores(self) -> int:

@@ -6,6 +6,7 @@ tests/multidevice.py for why); the Pallas kernels run in interpret mode there.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import jax
@@ -217,6 +218,79 @@ def check_mods_on_shards():
 
 def test_mods_on_shards():
     run_on_devices(__file__, "check_mods_on_shards")
+
+
+def check_inside_user_shard_map(*, seed, mesh_shape=(2, 2), head_dim=16, dtype="float32", backends=("auto",)):
+    """flash_attention and decode_attention called inside the user's own jax.shard_map with
+    its default check_vma=True (the kernels' outputs typed with the inputs' mesh axes), on a
+    (data, sp) mesh, against the reference:
+
+    * q, k, v split along the batch and the heads;
+    * q's rows split along sp, k, v, a bias [1, H, 1, Tk] and a score_mod's table replicated
+      over sp: their gradients are the sums over the sp shards;
+    * decode steps on a cache split along the batch.
+
+    Without a GPU the Triton kernels' interpret mode cannot run there: auto takes the
+    reference, and backend="triton" says why.
+    """
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh(mesh_shape, ("data", "sp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    heads, dtype = 2 * mesh_shape[1], jnp.dtype(dtype)
+    q, k, v = (draw(4, seq, heads, head_dim).astype(dtype) for seq in (24 * mesh_shape[1], 40, 40))
+    bias, table = draw(1, heads, 1, 40), draw(heads)
+    mask_mod = lambda b, h, i, j: j % 3 != 1  # of the key alone: q's rows may be split
+    loss = lambda o: jnp.sum(jnp.sin(o))
+
+    def attend(q, k, v, bias, table, backend=None):
+        mod = lambda s, b, h, i, j: s + table[h] * (j % 5)
+        if backend is None:
+            up = lambda x: x.astype(jnp.float32)
+            return reference.attention(up(q), up(k), up(v), bias=bias, mask_mod=mask_mod, score_mod=mod)
+        return flashjax.flash_attention(q, k, v, bias=bias, mask_mod=mask_mod, score_mod=mod, backend=backend)
+
+    args = (q, k, v, bias, table)
+    want, want_grads = attend(*args), jax.grad(lambda *a: loss(attend(*a)), argnums=range(5))(*args)
+    layouts = {
+        "batch and heads": (P("data", None, "sp"), P("data", None, "sp"), P(None, "sp"), P("sp")),
+        "rows of q": (P("data", "sp"), P("data"), P(), P()),
+    }
+    for backend in backends:
+        for name, (q_spec, kv_spec, bias_spec, table_spec) in layouts.items():
+            f = jax.shard_map(functools.partial(attend, backend=backend), mesh=mesh,  # check_vma=True
+                              in_specs=(q_spec, kv_spec, kv_spec, bias_spec, table_spec), out_specs=q_spec)
+            check_close(jax.jit(f)(*args), want, dtype, f"o, {name}, {backend}")
+            grads = jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=range(5)))(*args)
+            for arg, got, expected in zip(("q", "k", "v", "bias", "table"), grads, want_grads):
+                check_close(got, expected, dtype, f"d{arg}, {name}, {backend}")
+        lengths = jnp.asarray([40, 7, 0, 33], jnp.int32)
+        step = jax.shard_map(lambda q, k, v, n: flashjax.decode_attention(q, k, v, n, backend=backend), mesh=mesh,
+                             in_specs=(P("data"),) * 4, out_specs=P("data"))
+        keys = jnp.arange(40)[None, None, None, :]
+        visible = keys <= lengths[:, None, None, None] - 2 + jnp.arange(2)[None, None, :, None]
+        want_step = reference.attention(*(x.astype(jnp.float32) for x in (q[:, :2], k, v)),
+                                        mask=visible & (keys < lengths[:, None, None, None]))
+        check_close(jax.jit(step)(q[:, :2], k, v, lengths), want_step, dtype, f"decode, {backend}")
+    if jax.default_backend() != "gpu":
+        f = jax.shard_map(functools.partial(attend, backend="triton"), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        with pytest.raises(NotImplementedError, match="check_vma=False"):
+            f(q, k, v, None, table)
+
+
+def test_inside_user_shard_map(request):
+    run_on_devices(__file__, "check_inside_user_shard_map", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.mark.gpu
+def test_inside_user_shard_map_on_gpus(request):
+    """As on the CPU devices, with the compiled kernels: the Triton ones and those auto
+    takes (the Hopper ones on sm90), bf16, over every visible GPU (an even count)."""
+    gpus = gpus_or_skip("the shards")
+    if gpus % 2:
+        pytest.skip(f"a (2, gpus / 2) mesh needs an even count of GPUs; {gpus} visible")
+    check_inside_user_shard_map(seed=zlib.crc32(request.node.nodeid.encode()), mesh_shape=(2, gpus // 2),
+                                head_dim=64, dtype="bfloat16", backends=("triton", "auto"))
 
 
 def check_mixed_meshes(*, seed):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashjax import dropout, flex, reference
+from flashjax.kernels.common import vary_alike
 from flashjax.params import AttentionParams, Extras
 
 # The gradient of the arrays a score_mod closes over is computed over chunks of query rows
@@ -94,7 +95,8 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
         (grads,) = pullback(p * (dp - delta_c[..., None]))
         return jax.tree.map(jnp.add, total, grads)
 
-    zeros = tuple(jnp.zeros(c.shape, jnp.float32) for c in floats)
+    # Typed as the chunks' gradients are inside jax.shard_map (varying over the inputs' axes).
+    zeros = vary_alike(tuple(jnp.zeros(c.shape, jnp.float32) for c in floats), q, k, v, do, extras)
     grads = lax.fori_loop(0, n_chunks, chunk, zeros)
     return flex.merge_float_consts(consts, grads, others=None)
 

@@ -16,7 +16,6 @@ import functools
 import heapq
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -24,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax import dropout, flex, masks
-from flashjax.kernels.common import LOG2E
+from flashjax.kernels.common import LOG2E, out_types
 from flashjax.masks import BlockRange, MaskSpec
 
 # Consumer warpgroups per CTA (each owns one tile of the walked operand).
@@ -340,16 +339,20 @@ def launch(entry, *, out_type, pairs: int, heads: int, batch: int, kernel_name: 
     The head is the slowest grid axis so that the CTAs of one head run together (Pallas
     launches the last grid axis fastest)."""
     grid, names = ((heads, pairs, batch), ("heads", "pair", "batch")) if ctas is None else ((ctas,), ("cta",))
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=grid,
-        grid_names=names,
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        kernel_name=kernel_name,  # what profilers show
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )
+
+    def call(*inputs):
+        return plgpu.kernel(
+            entry,
+            out_type=out_types(out_type, *inputs),  # their mesh axes inside jax.shard_map
+            grid=grid,
+            grid_names=names,
+            num_threads=COMPUTE_WGS + 1,
+            thread_name="wg",
+            kernel_name=kernel_name,  # what profilers show
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )(*inputs)
+
+    return call
 
 
 class Items(NamedTuple):
@@ -757,7 +760,3 @@ def product(a, b, shape):
 def zeros(shape, layout=None):
     """A float32 register tile of zeros in the wgmma layout (or `layout`)."""
     return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout or plgpu.Layout.WGMMA)
-
-
-def out_shape(x, dtype=None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)

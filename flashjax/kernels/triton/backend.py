@@ -38,7 +38,19 @@ def supports(call: Call) -> list[str]:
     for name, mod in flex.call_mods(call):
         if why := flex.unreadable_reason(name, mod):
             reasons.append(why)
-    return reasons + _unlowered_mods(call, derivative=False)
+    return reasons + _unlowered_mods(call, derivative=False) + interpreter_reasons(call)
+
+
+def interpreter_reasons(call) -> list[str]:
+    """Why interpret mode cannot run a call (a `Call` or a `DecodeCall`): inside
+    jax.shard_map with check_vma=True, Pallas' interpreter (JAX 0.11.2) evaluates the kernels
+    on values typed with mesh axes that their own programs do not carry, and fails in some
+    of them (the bias gradient, block masks). The compiled GPU kernels type their outputs
+    (`common.out_types`)."""
+    if call.platform == "gpu" or not call.varying_axes:
+        return []
+    return [f"no GPU, inside jax.shard_map with check_vma=True (inputs varying over {', '.join(call.varying_axes)}): "
+            "Pallas' interpret mode does not carry those types; shard_map(..., check_vma=False) runs it"]
 
 
 def supports_backward(call: Call) -> list[str]:
@@ -296,7 +308,7 @@ BACKEND = backends.Backend(
     default_config=default_config,
     forward=forward,
     backward=backward,
-    decode=backends.Decoder(supports=triton_decode.supports, run=triton_decode.decode, declines=declines,
-                            config_type=DecodeConfig),
+    decode=backends.Decoder(supports=lambda call: triton_decode.supports(call) + interpreter_reasons(call),
+                            run=triton_decode.decode, declines=declines, config_type=DecodeConfig),
     prepare=prepare,
 )

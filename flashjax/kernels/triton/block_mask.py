@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import flex
+from flashjax.kernels.common import out_types
 
 # Key tiles per program: enough work per program to hide its launch, few enough that a
 # short row still spreads over the GPU.
@@ -78,7 +79,7 @@ def classify(mod: flex.Mod, consts, n_batch: int, n_heads: int, q_len: int, kv_l
         grid=(n_batch * n_heads, n_q, n_chunks),
         in_specs=[whole(a) for a in operands],
         out_specs=pl.BlockSpec((None, None, tiles), lambda bh, qi, c: (bh, qi, c)),
-        out_shape=jax.ShapeDtypeStruct((n_batch * n_heads, n_q, n_chunks * tiles), jnp.int8),
+        out_shape=out_types(jax.ShapeDtypeStruct((n_batch * n_heads, n_q, n_chunks * tiles), jnp.int8), operands),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
         interpret=interpret,
         name="flashjax_block_mask",

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
+from flashjax.kernels.common import out_types
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.fwd import extra_specs, whole_flex_specs
@@ -321,7 +322,7 @@ def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: S
         in_specs=[group_rows, k_tile, v_tile, group_do, group_stats, group_stats,
                   _group_extra_specs(x_dkv, block_k=bk, seq_q=seq_q, group=group)],
         out_specs=[k_tile, v_tile],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=out_types([k, v], q, k, v, do, lse2, delta, x_dkv),
         compiler_params=plgpu.CompilerParams(num_warps=dkv_config.num_warps, num_stages=dkv_config.num_stages),
         interpret=interpret,
         name="flashjax_bwd_dkv",
@@ -341,7 +342,7 @@ def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: S
         in_specs=[q_tile, kv_whole, v_whole, do_tile, stats_tile, stats_tile,
                   extra_specs(x_dq, block_q=bq, seq_k=seq_k, num_q_blocks=num_q_blocks)],
         out_specs=q_tile,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_types(jax.ShapeDtypeStruct(q.shape, q.dtype), q, k, v, do, lse2, delta, x_dq),
         compiler_params=plgpu.CompilerParams(num_warps=dq_config.num_warps, num_stages=dq_config.num_stages),
         interpret=interpret,
         name="flashjax_bwd_dq",
@@ -383,7 +384,7 @@ def bias_grad(q, k, v, do, lse2, delta, x_dq: Extras, *, scorer: Scorer, config:
         grid=grid,
         in_specs=_whole_specs([q, k, v, do, lse2, delta, x_dq]),
         out_specs=pl.BlockSpec(out_block, out_index),
-        out_shape=jax.ShapeDtypeStruct(x_dq.bias.shape, jnp.float32),
+        out_shape=out_types(jax.ShapeDtypeStruct(x_dq.bias.shape, jnp.float32), q, k, v, do, lse2, delta, x_dq),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="flashjax_bwd_dbias",

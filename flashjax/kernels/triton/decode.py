@@ -478,10 +478,10 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
             pl.BlockSpec((None, None, None, t.block_q, t.v_head_dim), lambda b, h, s, i: (*out_index(b, h, s, i), 0)),
             pl.BlockSpec((None, None, None, t.block_q), out_index),
         ],
-        out_shape=[
+        out_shape=common.out_types([
             jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows, t.v_head_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows), jnp.float32),
-        ],
+        ], cache.lengths, q_rows, refs),
         compiler_params=plgpu.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=params.interpret,
         name="flashjax_decode",

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.kernels.common import LOG2E, ROW_MAX_START
+from flashjax.kernels.common import LOG2E, ROW_MAX_START, out_types
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.scoring import Scorer
@@ -170,10 +170,10 @@ def forward(q, k, v, x: Extras, *, scorer: Scorer, config: KernelConfig, interpr
             pl.BlockSpec((None, block_q, None, v_head_dim), q_tile),
             pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, num_q_blocks - 1 - i)),
         ],
-        out_shape=[
+        out_shape=out_types([
             jax.ShapeDtypeStruct((batch, seq_q, heads, v_head_dim), out_dtype or q.dtype),
             jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32),
-        ],
+        ], q, k, v, x),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="flashjax_fwd",
