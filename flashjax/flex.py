@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import operator
 from typing import Any, Callable, NamedTuple
 
@@ -128,7 +129,7 @@ class Mod:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
-    def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None, propagate_nan: bool = False):
+    def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None, lowering: str | None = None):
         """Evaluates the function on a tile inside a kernel.
 
         Args:
@@ -138,15 +139,16 @@ class Mod:
           grad: also return d score_mod / d score at each element (score_mod only).
           shape: the tile's shape, where `args` may not span it (`Along` vectors, unused
             positions passed as scalars); by default the broadcast of the arrays.
-          propagate_nan: evaluate a float max, min or clamp as XLA does (NaN where an
-            operand is NaN), for a lowering whose own rule returns the other operand.
+          lowering: the kernel's lowering, "triton" or "mosaic": the operations whose rule
+            there differs from XLA's semantics on some inputs are evaluated as XLA does
+            (`_as_in_xla`), so that the kernels agree with the reference.
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
           slopes is None for an `additive` score_mod (its derivative is 1: nothing to multiply).
         """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
-        token = _PROPAGATE_NAN.set(propagate_nan)
+        token = _LOWERING.set(lowering)
         try:
             if grad and self.additive:
                 return _evaluate_tile(self.jaxpr, consts, args, shape)[0], None
@@ -155,7 +157,7 @@ class Mod:
                 return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), shape))
             return _evaluate_tile(self.jaxpr, consts, args, shape)[0]
         finally:
-            _PROPAGATE_NAN.reset(token)
+            _LOWERING.reset(token)
 
     @functools.cached_property
     def _read_sides(self) -> dict:
@@ -676,22 +678,75 @@ REWRITTEN = {
 }
 
 
-# Set by `Mod.tile(propagate_nan=True)` while it evaluates: `_bind` then gives a float max,
-# min or clamp XLA's NaN (Pallas' Triton lowering, JAX 0.11.2, lowers them to maxnumf /
-# minnumf, which return the other operand; a mask_mod's `clip(nan, 0, 1) < 2` would hold
-# there and not in the reference).
-_PROPAGATE_NAN = contextvars.ContextVar("flashjax_flex_propagate_nan", default=False)
-_MIN_MAX = (lax.max_p, lax.min_p, lax.clamp_p)
+# The kernel lowering `Mod.tile` evaluates for while it runs ("triton", "mosaic"), None
+# elsewhere (XLA: the reference's own semantics).
+_LOWERING = contextvars.ContextVar("flashjax_flex_lowering", default=None)
+_SHIFTS = (lax.shift_left_p, lax.shift_right_logical_p, lax.shift_right_arithmetic_p)
+_LOG2E = math.log2(math.e)
+
+
+def _runtime(v) -> bool:
+    """Whether a value is only known when the kernel runs (a constant folds in XLA)."""
+    return isinstance(v, jax.core.Tracer) or np.ndim(v) > 0
 
 
 def _nan_if_any_nan(out, ins):
     """`out` where no value of `ins` is NaN, NaN where one is (the dtype's own NaN)."""
     for v in ins:
-        if isinstance(v, jax.core.Tracer) or np.ndim(v) > 0:
+        if _runtime(v):
             out = jnp.where(v != v, jnp.asarray(np.nan, out.dtype), out)
         elif np.isnan(v):
             return jnp.full_like(out, np.nan)
     return out
+
+
+def _as_in_xla(eqn, ins, params, lowering: str) -> list | None:
+    """The results of an equation as XLA defines them, where `lowering`'s own rule differs on
+    some inputs (JAX 0.11.2), or None where it does not:
+
+    * a float max / min / clamp with a NaN operand: NaN (Triton's maxnumf / minnumf return
+      the other operand);
+    * an integer division or remainder by zero, and the signed minimum over -1: XLA gives
+      -1 (all ones), x, the minimum and 0; both lowerings emit LLVM's sdiv / srem, undefined
+      there;
+    * a shift by the bit width or more (or a negative amount): 0, or the sign for an
+      arithmetic right shift; undefined in LLVM;
+    * a number converted to bool: x != 0 (Mosaic keeps the low bit or truncates a float);
+    * the sign of a float: NaN for NaN and the zero itself for a zero (Mosaic gives +-1 for
+      NaN);
+    * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
+      relative): from exp2 instead, as the Hopper kernels' softcap, to float32 rounding.
+    """
+    prim, dtype = eqn.primitive, np.dtype(eqn.invars[0].aval.dtype)
+    floating, integer = jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.integer)
+    if prim in (lax.max_p, lax.min_p, lax.clamp_p) and floating and lowering == "triton":
+        return [_nan_if_any_nan(prim.bind(*ins, **params), ins)]
+    if prim in (lax.div_p, lax.rem_p) and integer and _runtime(ins[1]):
+        x, y = ins
+        zero = y == 0
+        bad = zero
+        if jnp.issubdtype(dtype, jnp.signedinteger):
+            bad = bad | ((x == np.iinfo(dtype).min) & (y == -1))  # MIN / 1 = MIN, MIN % 1 = 0: XLA's
+        out = prim.bind(x, jnp.where(bad, jnp.ones_like(y), y), **params)
+        by_zero = x if prim is lax.rem_p else jnp.asarray(np.array(-1).astype(dtype))
+        return [jnp.where(zero, by_zero, out)]
+    if prim in _SHIFTS and integer and _runtime(ins[1]):
+        x, y = ins
+        bits = dtype.itemsize * 8
+        fits = (y < bits) & (y >= 0) if jnp.issubdtype(dtype, jnp.signedinteger) else y < bits
+        out = prim.bind(x, jnp.where(fits, y, jnp.zeros_like(y)), **params)
+        past = lax.shift_right_arithmetic(x, jnp.asarray(bits - 1, dtype)) if prim is lax.shift_right_arithmetic_p \
+            else jnp.zeros_like(out)
+        return [jnp.where(fits, out, past)]
+    if prim is lax.convert_element_type_p and params["new_dtype"] == np.bool_ and dtype != np.bool_:
+        return [ins[0] != 0]
+    if prim is lax.tanh_p and lowering == "mosaic":
+        return [1.0 - 2.0 / (jnp.exp2(ins[0] * (2.0 * _LOG2E)) + 1.0)]
+    if prim is lax.sign_p and floating:
+        x = ins[0]
+        one = jnp.asarray(1, dtype)
+        return [jnp.where(x > 0, one, jnp.where(x < 0, -one, x))]
+    return None
 
 
 def _bind(eqn, ins) -> list:
@@ -719,6 +774,9 @@ def _bind(eqn, ins) -> list:
         outs = outs if eqn.primitive.multiple_results else [outs]
         return [np.asarray(o)[()] for o in outs]
     ins = vary_alike(ins)
+    lowering = _LOWERING.get()
+    if lowering is not None and (outs := _as_in_xla(eqn, ins, params, lowering)) is not None:
+        return outs
     if eqn.primitive.name in REWRITTEN:
         return [REWRITTEN[eqn.primitive.name][1](*ins)]
     if eqn.primitive is lax.not_p and eqn.invars[0].aval.dtype == np.bool_:
@@ -726,9 +784,6 @@ def _bind(eqn, ins) -> list:
         # ... must be divisible by 8, got 2"); an xor with True is the same value.
         return [jnp.logical_xor(ins[0], True)]
     outs = eqn.primitive.bind(*subfuns, *ins, **params)
-    if (eqn.primitive in _MIN_MAX and _PROPAGATE_NAN.get()
-            and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
-        return [_nan_if_any_nan(outs, ins)]
     return outs if eqn.primitive.multiple_results else [outs]
 
 

@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from conftest import check_close, check_lse
@@ -1658,21 +1659,74 @@ def test_random_mods_on_auto(seed):
     assert_matches(got, want, jnp.bfloat16)
 
 
-def test_nan_propagation_for_the_triton_lowering():
-    """`Mod.tile(propagate_nan=True)` gives a float max / min / clamp XLA's NaN where an operand
-    is NaN: Pallas' Triton lowering returns the other operand (maxnumf), so a mask_mod's
-    `clip(nan, 0, 1) < 2` would attend there and not in the reference. Checked here on the
-    helper, with a result that hides the NaN as that lowering does (the GPU runs the kernel:
-    the nan-through-clip case above)."""
-    hidden = jnp.asarray([0.5, 1.0, 0.25], jnp.float32)  # maxnumf(nan, 0.5) = 0.5
-    x = jnp.asarray([np.nan, 1.0, 0.25], jnp.float32)
-    got = flex._nan_if_any_nan(hidden, [x, np.float32(0.5)])
-    np.testing.assert_array_equal(np.isnan(np.asarray(got)), [True, False, False])
-    np.testing.assert_array_equal(np.asarray(got)[1:], [1.0, 0.25])
-    assert np.isnan(np.asarray(flex._nan_if_any_nan(hidden, [x, np.float32(np.nan)]))).all()
-    # Through Mod.tile: the rewrite runs for max, min and clamp, and only when asked.
-    mod, _ = flex.trace(lambda b, h, i, j: jnp.clip(i.astype(jnp.float32) * jnp.inf, 0.0, 1.0) < 2.0, flex.MASK_MOD)
-    rows, cols = jnp.arange(4)[:, None], jnp.arange(4)[None, :]
-    eqns = lambda **kw: str(jax.make_jaxpr(lambda r, c: mod.tile((), 0, 0, r, c, **kw))(rows, cols))
-    assert eqns(propagate_nan=True).count(" ne ") == 2 and " ne " not in eqns()
-    np.testing.assert_array_equal(np.asarray(mod.tile((), 0, 0, rows, cols, propagate_nan=True))[0], [False] * 4)
+# Mods whose values, on some inputs, a kernel lowering's own rule computes unlike XLA
+# (`flex._as_in_xla`); each reads its operands from closed-over arrays, so that they are
+# runtime values in the kernels (constants fold in XLA), and keeps key 0 visible.
+_ZERO_OR_3 = jnp.asarray([0, 3], jnp.int32)
+_SHIFT_32_OR_2 = jnp.asarray([32, 2], jnp.int32)
+_NEGATIVE_SHIFT = jnp.asarray([-1, 33], jnp.int32)
+_INF = jnp.asarray([jnp.inf, jnp.inf], jnp.float32)
+_THREES = jnp.asarray([3.0, 7.0], jnp.float32)
+_INT_MIN, _MINUS_ONE = jnp.asarray(np.iinfo(np.int32).min, jnp.int32), jnp.asarray(-1, jnp.int32)
+LOWERING_MODS = [
+    pytest.param(lambda b, h, i, j: (i // _ZERO_OR_3[h]) == (j // _ZERO_OR_3[h]), id="int-div-by-zero"),
+    pytest.param(lambda b, h, i, j: lax.rem(j, _ZERO_OR_3[h]) == (i % 5), id="int-rem-by-zero"),
+    pytest.param(lambda b, h, i, j: lax.div(j, _ZERO_OR_3[h]) < i, id="int-lax-div-by-zero"),
+    pytest.param(lambda b, h, i, j: (_INT_MIN + j - j) // _MINUS_ONE < i - 40, id="int-min-over-minus-one"),
+    pytest.param(lambda b, h, i, j: (i >> _SHIFT_32_OR_2[h]) == (j >> _SHIFT_32_OR_2[h]), id="shift-right-past-width"),
+    pytest.param(lambda b, h, i, j: ((-i - 1) >> _SHIFT_32_OR_2[h]) < (j - 40), id="arithmetic-shift-of-negative"),
+    pytest.param(lambda b, h, i, j: (jnp.left_shift(j, _NEGATIVE_SHIFT[h]) + i) % 3 == 0, id="shift-left-negative"),
+    pytest.param(lambda b, h, i, j: ((j - i) & 2).astype(bool) | (j <= i), id="int-to-bool"),
+    pytest.param(lambda b, h, i, j: ((j - i).astype(jnp.float32) * 0.25).astype(bool) & (j < i + 9), id="float-to-bool"),
+    pytest.param(lambda b, h, i, j: jnp.sign(i.astype(jnp.float32) * _INF[h]) < 2.0, id="sign-of-nan"),
+    pytest.param(lambda b, h, i, j: jnp.clip(i.astype(jnp.float32) * _INF[h], 0.0, 1.0) < 2.0, id="clip-of-nan"),
+    pytest.param(lambda b, h, i, j: jnp.floor(i.astype(jnp.float32) / _THREES[h])
+                 == jnp.floor(j.astype(jnp.float32) / _THREES[h]), id="float-division-floored"),
+]
+
+
+@pytest.mark.parametrize("lowering", ["triton", "mosaic"])
+@pytest.mark.parametrize("mask_mod", LOWERING_MODS)
+def test_mod_rewrites_for_the_kernel_lowerings_equal_xla(mask_mod, lowering):
+    """`Mod.tile(lowering=...)` evaluates the operations whose lowering rule differs from XLA
+    (a zero divisor, a shift past the width, NaN through a sign or a clip, a number to bool)
+    by other operations: on the CPU, where XLA runs both, they must give XLA's own values."""
+    mod, consts = flex.trace(mask_mod, flex.MASK_MOD)
+    rows, cols = jnp.arange(64)[:, None], jnp.arange(64)[None, :]
+    for head in (0, 1):
+        want = np.asarray(jax.vmap(jax.vmap(lambda i, j: mask_mod(0, head, i, j), (None, 0)), (0, None))(
+            jnp.arange(64), jnp.arange(64)))
+        # The kernel operands stand for their refs (a ref reads as its array indexes), traced
+        # as in a kernel: each read is a runtime value, as in a kernel.
+        tile = jax.jit(lambda refs, head: mod.tile(refs, 0, head, rows, cols, shape=(64, 64), lowering=lowering))
+        got = tile(flex.kernel_operands(consts), head)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"head {head}")
+
+
+def test_softcap_tanh_rewrite_for_mosaic():
+    """tanh on Mosaic (approximate math in its kernels) from exp2: float32-accurate, +-1 at
+    the extremes, odd."""
+    mod, consts = flex.trace(lambda s, b, h, i, j: 30.0 * jnp.tanh(s / 30.0), flex.SCORE_MOD)
+    scores = jnp.asarray(np.r_[-1e30, -300.0, -1.0, -1e-3, 0.0, 1e-6, 0.5, 29.0, 300.0, 1e30], jnp.float32)[None, :]
+    got = np.asarray(mod.tile((), scores, 0, 0, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                              lowering="mosaic"))
+    np.testing.assert_allclose(got, 30.0 * np.tanh(np.asarray(scores, np.float64) / 30.0), rtol=0, atol=3e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic", marks=requires_hopper)])
+@pytest.mark.parametrize("mask_mod", LOWERING_MODS)
+def test_mods_in_the_compiled_kernels_equal_xla(mask_mod, backend):
+    """The compiled kernels evaluate each of those mods as XLA does (the GPU's lowering rules
+    differ on those inputs): attention under the mask (with key 0 always visible) equals the
+    reference on the dense mask."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("the compiled kernels' lowering needs a GPU (interpret mode evaluates in XLA)")
+    visible = lambda b, h, i, j: mask_mod(b, h, i, j) | (j == 0)
+    dtype = jnp.bfloat16 if backend == "mosaic" else jnp.float32
+    ks = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(key, (1, 192, 2, 64), jnp.float32).astype(dtype) for key in ks)
+    dense = np.asarray(reference.logits_mask(1, 192, 192, mask_mod=visible, heads=2))
+    want = flashjax.flash_attention(q, k, v, mask=jnp.asarray(dense), backend="xla")
+    got = flashjax.flash_attention(q, k, v, mask_mod=visible, backend=backend)
+    check_close(got, want, dtype, f"{backend} vs the dense mask")

@@ -533,7 +533,7 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     if t.score_mod is not None:
         rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
         out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad,
-                               shape=s.shape)
+                               shape=s.shape, lowering="mosaic")
         s, dlogits = out if grad else (out, None)
     if t.softcap is not None:
         # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
@@ -616,7 +616,7 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
             values = (flex.Along(q_seg, q_dim) if uses_row else 0, flex.Along(kv_seg, k_dim) if uses_col else 0)
         allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head,
                                           *_mod_positions(mask_mod, s.shape, q_start, k_start, transposed), *values,
-                                          shape=s.shape)
+                                          shape=s.shape, lowering="mosaic")
     if q_seg is not None and not (mask_mod is not None and mask_mod.sides):
         allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
     return jnp.where(allowed, s, -jnp.inf)

@@ -49,7 +49,7 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
             seen, missed = found
             rows = qi * block_q + r * sub_rows + lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
             valid = (rows < q_len) & col_valid
-            attend = mod.tile(const_refs, batch, head, rows, cols, propagate_nan=True)
+            attend = mod.tile(const_refs, batch, head, rows, cols, lowering="triton")
             # Reductions over int32: Triton has no boolean any/all.
             seen = jnp.maximum(seen, jnp.max(jnp.where(attend & valid, 1, 0)))
             missed = jnp.maximum(missed, jnp.max(jnp.where(attend | ~valid, 0, 1)))

@@ -84,9 +84,9 @@ class Scorer:
         if self.score_mod is not None:
             args = (qk * self.scale, mod.batch, mod.head, rows, cols)
             if grad:
-                score, mod_slope = self.score_mod.tile(mod.score_consts, *args, grad=True, propagate_nan=True)
+                score, mod_slope = self.score_mod.tile(mod.score_consts, *args, grad=True, lowering="triton")
             else:
-                score = self.score_mod.tile(mod.score_consts, *args, propagate_nan=True)
+                score = self.score_mod.tile(mod.score_consts, *args, lowering="triton")
             t = None if self.softcap is None else jnp.tanh(score * (1.0 / self.softcap))
             s = score * LOG2E if t is None else t * (self.softcap * LOG2E)
         elif self.softcap is not None:
@@ -115,7 +115,7 @@ class Scorer:
             allowed = allowed & (dense != 0)
         if self.mask_mod is not None:
             allowed = allowed & self.mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols,
-                                                          propagate_nan=True)
+                                                          lowering="triton")
         return jnp.where(allowed, s, -jnp.inf)
 
     def logit_grad(self, ds, chain):
