@@ -650,9 +650,10 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
     """One equation on the broadcast of its batched operands over the tile `axes` they vary
     along, vmapped over them."""
     extent = _span([(v, own) for v, own in ins if own], axes)
-    if eqn.primitive is lax.select_n_p:
+    if eqn.primitive is lax.select_n_p or _selected(eqn, [v for v, _ in ins]):
         # Every operand of a select spans the equation's axes: Mosaic GPU cannot broadcast a
-        # scalar predicate (or case) over a tile implicitly (`where(flags[h], s, 0.5 * s)`).
+        # scalar predicate (or case) over a tile implicitly (`where(flags[h], s, 0.5 * s)`);
+        # nor those of the operations `_as_in_xla` evaluates through selects (`i // sizes[h]`).
         ins = [(v.load() if isinstance(v, _ConstRef) and not v.shape else v, own) for v, own in ins]
         batched = [True] * len(ins)
     else:
@@ -683,6 +684,14 @@ REWRITTEN = {
 _LOWERING = contextvars.ContextVar("flashjax_flex_lowering", default=None)
 _SHIFTS = (lax.shift_left_p, lax.shift_right_logical_p, lax.shift_right_arithmetic_p)
 _LOG2E = math.log2(math.e)
+
+
+def _selected(eqn, ins) -> bool:
+    """Whether `_as_in_xla` evaluates an equation through selects of its operands (an integer
+    division, remainder or shift by a runtime amount, in a kernel)."""
+    return (_LOWERING.get() is not None and eqn.primitive in (lax.div_p, lax.rem_p, *_SHIFTS)
+            and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
+            and (isinstance(ins[1], _ConstRef) or _runtime(ins[1])))
 
 
 def _runtime(v) -> bool:
@@ -728,7 +737,8 @@ def _as_in_xla(eqn, ins, params, lowering: str) -> list | None:
         if jnp.issubdtype(dtype, jnp.signedinteger):
             bad = bad | ((x == np.iinfo(dtype).min) & (y == -1))  # MIN / 1 = MIN, MIN % 1 = 0: XLA's
         out = prim.bind(x, jnp.where(bad, jnp.ones_like(y), y), **params)
-        by_zero = x if prim is lax.rem_p else jnp.asarray(np.array(-1).astype(dtype))
+        # Cases as full arrays, not constants: Pallas' Triton lowering takes no constant case.
+        by_zero = x if prim is lax.rem_p else lax.full_like(out, np.array(-1).astype(dtype))
         return [jnp.where(zero, by_zero, out)]
     if prim in _SHIFTS and integer and _runtime(ins[1]):
         x, y = ins
@@ -744,8 +754,7 @@ def _as_in_xla(eqn, ins, params, lowering: str) -> list | None:
         return [1.0 - 2.0 / (jnp.exp2(ins[0] * (2.0 * _LOG2E)) + 1.0)]
     if prim is lax.sign_p and floating:
         x = ins[0]
-        one = jnp.asarray(1, dtype)
-        return [jnp.where(x > 0, one, jnp.where(x < 0, -one, x))]
+        return [jnp.where(x > 0, lax.full_like(x, 1), jnp.where(x < 0, lax.full_like(x, -1), x))]
     return None
 
 
@@ -764,7 +773,9 @@ def _bind(eqn, ins) -> list:
         # Pallas' Triton lowering (JAX 0.11.2) gives a weakly typed constant case the
         # predicate's type (a `where(c, 7, x)` becomes a select of i1 and i32, which Triton
         # rejects on the GPU): the cases enter with their own dtype, strongly typed.
-        ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) for v, var in zip(ins[1:], eqn.invars[1:]))]
+        # (A constant case stays a constant, so that a select of constants still folds.)
+        ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) if _runtime(v) else np.asarray(v, var.aval.dtype)
+                         for v, var in zip(ins[1:], eqn.invars[1:]))]
     if not subfuns and all(not isinstance(v, jax.core.Tracer) and np.ndim(v) == 0 for v in ins):
         # A scalar of constants folds here, to a NumPy scalar (a literal in a kernel): Pallas'
         # Triton lowering has rules that take no constant operand (a negated constant in a

@@ -1728,5 +1728,9 @@ def test_mods_in_the_compiled_kernels_equal_xla(mask_mod, backend):
     q, k, v = (jax.random.normal(key, (1, 192, 2, 64), jnp.float32).astype(dtype) for key in ks)
     dense = np.asarray(reference.logits_mask(1, 192, 192, mask_mod=visible, heads=2))
     want = flashjax.flash_attention(q, k, v, mask=jnp.asarray(dense), backend="xla")
-    got = flashjax.flash_attention(q, k, v, mask_mod=visible, backend=backend)
+    try:
+        got = flashjax.flash_attention(q, k, v, mask_mod=visible, backend=backend)
+    except NotImplementedError as e:  # Mosaic GPU has no floor: refused up front
+        assert backend == "mosaic" and "does not lower" in str(e), e
+        return
     check_close(got, want, dtype, f"{backend} vs the dense mask")

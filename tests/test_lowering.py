@@ -584,6 +584,33 @@ def test_user_mods_lower_for_sm90(on_hopper, name, backend):
         assert backend != "auto" and f"backend={backend!r}" in str(e) and "cannot run this call" in str(e), e
 
 
+def _lowering_mods():
+    from test_flex import LOWERING_MODS
+
+    return LOWERING_MODS
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+@pytest.mark.parametrize("mask_mod", _lowering_mods())
+def test_mods_evaluated_as_in_xla_lower_for_sm90(on_hopper, mask_mod, backend):
+    """The mods whose operations the kernels evaluate as XLA does (`flex._as_in_xla`: runtime
+    divisors and shift amounts, conversions to bool, the sign of NaN) lower for sm_90 on
+    both backends, forward and backward."""
+    import flashjax
+
+    q = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 517, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        o = flashjax.flash_attention(q, k, v, backend=backend, mask_mod=lambda b, h, i, j: mask_mod(b, h, i, j) | (j == 0))
+        return jnp.sum(o.astype(jnp.float32))
+
+    try:
+        lower_for_cuda(loss, q, kv, kv)
+    except NotImplementedError as e:  # Mosaic GPU has no floor
+        assert backend == "mosaic" and "does not lower" in str(e), e
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_random_mods_lower_for_sm90(on_hopper, backend, seed):
