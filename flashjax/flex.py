@@ -676,6 +676,7 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
 REWRITTEN = {
     "add_any": ("add", lax.add),  # the sum of two cotangents in a derivative program (s * tanh(s))
     "copy": (None, lambda x: x),  # jnp.copy, and inside some jnp functions (gelu)
+    "pvary": (None, lambda x: x),  # a mod traced inside jax.shard_map (see `_bind`)
 }
 
 
@@ -764,7 +765,8 @@ def _bind(eqn, ins) -> list:
         # A mod traced inside jax.shard_map (check_vma=True) casts values to vary over the
         # mesh axes of the arrays it closes over; the values here may vary over other axes (the
         # derivative program's traced arrays vary over none) or none (in a kernel), so each
-        # equation's operands are cast alike below instead.
+        # equation's operands are cast alike below instead (`vary_alike`), and a pvary is
+        # the value itself, constant or not.
         return list(ins)
     params = eqn.primitive.get_bind_params(eqn.params)
     # JAX versions differ: some return (subfuns, params), others the params alone.
