@@ -51,8 +51,10 @@ each as a fraction of one causal forward at 32k (``flashjax_builtin`` of ``causa
 Protocol (`flashjax.benchmark`'s, with mods): every program is compiled once, its output
 (forward) or dq (forward+backward) checked against the float32 reference
 (`flashjax.reference.attention` with the case's mods, their query index shifted to the
-checked rows) on the last CHECK_ROWS query rows of batch row 0 and 2 heads; a relative
-error of TOLERANCE or more is recorded "mismatch" and not timed. Then two warm-up calls
+checked rows) on the last CHECK_ROWS query rows of batch row 0 and 2 heads, and for
+forward+backward dk and dv of those heads over every query row (`expected_kv`: the
+reference by chunks of query rows); a relative error of TOLERANCE or more is recorded
+"mismatch" and not timed. Then two warm-up calls
 and the median of >= 10 repetitions of a few back-to-back calls. Forward+backward is
 ``jax.grad`` of ``sum(out * cotangent)`` w.r.t. q, k, v and the case's learned arrays
 (the T5 table, the sinks), which travel with q (``timed_fn``'s first argument is the
@@ -449,10 +451,49 @@ def expected(case: Case, sizes: Sizes, mode: str, inputs, arrays: dict):
     return np.asarray(jax.jit(ref).lower(qs, dos).compile(compiler_options)(qs, dos))
 
 
+def _chunk_options(options: dict, start, size: int, heads: int) -> dict:
+    """The mod-form options as the reference sees them for query rows [start, start + size) of
+    batch row 0 among all keys (`start` a traced scalar; the cases attend to themselves):
+    `_rows_options`, with causal and the window, which the reference aligns to the rows it is
+    given, stated as a mask_mod on these rows' own positions."""
+    import jax.numpy as jnp
+
+    causal, (left, right) = options.get("causal"), options.get("window") or (None, None)
+    out = _rows_options({k: v for k, v in options.items() if k not in ("causal", "window")}, start, heads)
+    if causal or left is not None or right is not None:
+        def mask_mod(b, h, q_idx, kv_idx, inner=out.get("mask_mod")):
+            row = q_idx + start
+            allowed = jnp.bool_(True) if inner is None else inner(b, h, q_idx, kv_idx)
+            allowed = allowed & (kv_idx <= row) if causal else allowed
+            allowed = allowed & (kv_idx >= row - left) if left is not None else allowed
+            return allowed & (kv_idx <= row + right) if right is not None else allowed
+
+        out["mask_mod"] = mask_mod
+    return out
+
+
+def expected_kv(case: Case, sizes: Sizes, inputs, arrays: dict, chunk: int = 512):
+    """(dk, dv): the float32 reference's gradients of batch row 0's CHECK_HEADS heads from every
+    query row, numpy [1, T, heads, D] (`benchmark.reference_kv_grads`, by chunks of rows)."""
+    import jax.numpy as jnp
+
+    q, k, v, do = inputs
+    heads = min(CHECK_HEADS, q.shape[2])
+    rows = lambda x: x[:1, :, :heads].astype(jnp.float32)
+    rows_options = lambda operands, start, size: _chunk_options(case.mod(operands, sizes), start, size, heads)
+    return benchmark.reference_kv_grads(rows(q), rows(k), rows(v), rows(do), rows_options, as_jax(arrays), chunk=chunk)
+
+
 def check(want, got) -> float:
     """Relative error of `got` (the full output / dq, or its checked rows) against `expected`'s."""
     rows, heads = want.shape[1], want.shape[2]
     return benchmark.rel_err(got[:1, -rows:, :heads], want)
+
+
+def check_kv(want, dk, dv) -> dict:
+    """{"dk", "dv"}: relative errors of full-size (or batch row 0's) dk, dv against `expected_kv`'s."""
+    heads = want[0].shape[2]
+    return dict(dk=benchmark.rel_err(dk[:1, :, :heads], want[0]), dv=benchmark.rel_err(dv[:1, :, :heads], want[1]))
 
 
 def error_name(mode: str) -> str:
@@ -493,7 +534,7 @@ class Prepared:
     row: Row
     cells: list
     programs: dict  # cell -> (compiled, temp bytes) or an exception
-    expected: dict  # mode -> numpy
+    expected: dict  # mode -> numpy, and "kv" -> (dk, dv) with forward+backward cells
     args: tuple  # ((q, learned arrays), k, v, do); (arrays,) for a block-mask row
     block_mask: object = None  # at the Triton tiles (BLOCK_MASK_TILES)
     arrays: dict | None = None
@@ -529,6 +570,8 @@ def prepare_row(row: Row, sizes: Sizes, inputs, deadline: float) -> Prepared | N
     q, k, v, do = inputs
     modes = dict.fromkeys(c.mode for c in cells)
     want = {mode: expected(case, sizes, mode, inputs, arrays) for mode in modes}
+    if "fwdbwd" in modes:
+        want["kv"] = expected_kv(case, sizes, inputs, arrays)
     return Prepared(row, cells, {}, want, ((q, learned), k, v, do), block_mask, arrays, block_masks)
 
 
@@ -578,6 +621,8 @@ def time_row(prepared: Prepared, reps: int) -> list[dict]:
             result = compiled(*prepared.args)
             got = result if cell.mode == "fwd" else result[0][0]
             errors = {error_name(cell.mode): check(prepared.expected[cell.mode], got)}
+            if cell.mode == "fwdbwd":  # result: ((dq, learned arrays' gradients), dk, dv)
+                errors.update(check_kv(prepared.expected["kv"], result[1], result[2]))
             fields["rel_err"] = errors
             del result, got
             if not all(e < benchmark.TOLERANCE for e in errors.values()):  # nan fails too

@@ -136,7 +136,10 @@ def run_row(torch, row: flex.Row, sizes: flex.Sizes, attend, note: str, reps: in
         arrays = flex.draw_arrays(case, first.batch, row.seq, sizes)
         visible = flex.visible_fraction(case, sizes, first.batch, row.seq, flex.as_jax(arrays))
         cells = [dataclasses.replace(c, visible=visible) for c in row.cells]
-        want = {mode: flex.expected(case, sizes, mode, inputs, arrays) for mode in dict.fromkeys(c.mode for c in cells)}
+        modes = dict.fromkeys(c.mode for c in cells)
+        want = {mode: flex.expected(case, sizes, mode, inputs, arrays) for mode in modes}
+        if "fwdbwd" in modes:
+            want["kv"] = flex.expected_kv(case, sizes, inputs, arrays)
         tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
         _, mask_mod, per_batch = torch_mods(torch, case.name, tensors, sizes)
         block_mask = None
@@ -165,6 +168,8 @@ def run_row(torch, row: flex.Row, sizes: flex.Sizes, attend, note: str, reps: in
                 result = call()
             got = torch_sdpa._rows_to_numpy(result if fwd else result[0], rows)
             errors = {flex.error_name(cell.mode): flex.check(want[cell.mode], got)}
+            if not fwd:  # result: (dq, dk, dv, learned arrays' gradients)
+                errors.update(flex.check_kv(want["kv"], *map(torch_sdpa._rows_to_numpy, result[1:3])))
             fields["rel_err"] = errors
             del result, got
             if not all(e < benchmark.TOLERANCE for e in errors.values()):  # nan fails too

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib
 import json
 import platform
@@ -226,36 +227,41 @@ def _rows(case: Case) -> tuple[int, int]:
     return max(0, end - benchmark.CHECK_ROWS), end
 
 
-def _slice_option(name: str, value, start: int, end: int):
-    """The option as the reference sees it for query rows [start, end) of batch row 0, heads [:CHECK_HEADS]."""
+def _slice_option(name: str, value, start, size: int):
+    """The option as the reference sees it for query rows [start, start + size) of batch row 0,
+    heads [:CHECK_HEADS]; `start` an int or a traced int32 scalar."""
+    import jax.numpy as jnp
+    from jax import lax
+
     if name in ("causal", "window", "softcap", "dropout_rate", "dropout_rng"):
         return value
     if name == "alibi_slopes":
         return value[:CHECK_HEADS]
     if name == "segment_ids":
-        return value[:1, start:end], value[:1]
+        return lax.dynamic_slice_in_dim(value[:1], start, size, axis=1), value[:1]
     if name == "q_lengths":
-        return np.clip(np.asarray(value[:1]) - start, 0, end - start)
+        return jnp.clip(value[:1] - start, 0, size)
     if name == "kv_lengths":
         return value[:1]
     if name in ("bias", "mask"):
-        heads = slice(None) if value.shape[1] == 1 else slice(0, CHECK_HEADS)
-        return value[:1, heads, start:end, :]
+        value = value[:1] if value.shape[1] == 1 else value[:1, :CHECK_HEADS]
+        return value if value.shape[2] == 1 else lax.dynamic_slice_in_dim(value, start, size, axis=2)
     raise ValueError(f"no row slice for option {name!r}: add one to check this variant")
 
 
-def _chunk_options(case: Case, start: int, end: int) -> dict:
-    """The options as the reference sees them for query rows [start, end) of batch row 0 among
-    all keys: sliced (`_slice_option`), with causal, the window and ALiBi, which the reference
-    aligns to the rows it is given, stated for these rows' own positions (a mask, a bias)."""
+def _chunk_options(case: Case, operands: dict, start, size: int) -> dict:
+    """The options as the reference sees them for query rows [start, start + size) of batch row
+    0 among all keys (`start` traced, `operands` the case's array options, traced): sliced
+    (`_slice_option`), with causal, the window and ALiBi, which the reference aligns to the
+    rows it is given, stated for these rows' own positions (a mask, a bias)."""
     import jax.numpy as jnp
 
     positional = ("causal", "window", "alibi_slopes")
-    options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()
+    options = {name: _slice_option(name, operands.get(name, value), start, size) for name, value in case.options.items()
                if name not in positional}
-    rows = jnp.arange(start, end)[:, None]  # self-attention: aligned positions are the rows'
+    rows = start + jnp.arange(size)[:, None]  # self-attention: aligned positions are the rows'
     cols = jnp.arange(case.seq)[None, :]
-    allowed = jnp.ones((end - start, case.seq), bool)
+    allowed = jnp.ones((size, case.seq), bool)
     if case.options.get("causal"):
         allowed &= cols <= rows
     left, right = case.options.get("window") or (None, None)
@@ -265,7 +271,7 @@ def _chunk_options(case: Case, start: int, end: int) -> dict:
         allowed &= cols <= rows + right
     options["mask"] = allowed[None, None] & options["mask"] if "mask" in options else allowed[None, None]
     if "alibi_slopes" in case.options:
-        slopes = jnp.asarray(case.options["alibi_slopes"][:CHECK_HEADS], jnp.float32)
+        slopes = jnp.asarray(operands.get("alibi_slopes", case.options["alibi_slopes"])[:CHECK_HEADS], jnp.float32)
         alibi = -slopes[None, :, None, None] * jnp.abs(rows - cols).astype(jnp.float32)[None, None]
         options["bias"] = alibi + options["bias"] if "bias" in options else alibi
     return options
@@ -292,7 +298,7 @@ class VariantChecker:
             f32 = lambda x: x.astype(jnp.float32)
             qs, dos = f32(q[:1, start:end, :CHECK_HEADS]), f32(do[:1, start:end, :CHECK_HEADS])
             ks, vs = f32(k[:1, :, :CHECK_HEADS]), f32(v[:1, :, :CHECK_HEADS])
-            options = {name: _slice_option(name, value, start, end) for name, value in case.options.items()}
+            options = {name: _slice_option(name, value, start, end - start) for name, value in case.options.items()}
             arrays, static = _split_arrays(options)
 
             # One jit: evaluated op by op, every op of the reference compiles (and XLA
@@ -316,9 +322,10 @@ class VariantChecker:
         if key not in self._cache:
             f32 = lambda x: x.astype(jnp.float32)
             heads = lambda x: f32(x[:1, :, :CHECK_HEADS])
-            rows_options = lambda start, end: _chunk_options(case, start, end)
+            rows_options = functools.partial(_chunk_options, case)
+            operands, _ = _split_arrays(case.options)
             self._cache[key] = benchmark.reference_kv_grads(heads(q), heads(k), heads(v), heads(do), rows_options,
-                                                            chunk=self.chunk)
+                                                            operands, chunk=self.chunk)
         return self._cache[key]
 
     def check(self, case: Case, mode: str, result, q, k, v, do) -> dict:

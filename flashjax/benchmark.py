@@ -222,16 +222,18 @@ def compile_cell(cell: Cell, fn, args, operands=None):
     return call, temp
 
 
-def reference_kv_grads(qs, ks, vs, dos, rows_options, chunk: int = 512):
+def reference_kv_grads(qs, ks, vs, dos, rows_options, operands=(), chunk: int = 512):
     """(dk, dv) as NumPy arrays: the float32 reference's gradients of all query rows `qs`
     [1, Tq, H, D] (cotangents `dos`) over `ks`, `vs` [1, Tk, Hkv, D].
 
     dk and dv sum over every query row, so no slice of rows checks them; the reference runs
     over chunks of query rows (each chunk's vjp is its rows' share), never holding more than
-    a chunk's scores. ``rows_options(start, end)`` gives the reference's options for rows
-    [start, end) alone (what depends on a row's position, causal masks, ALiBi, stated for
-    these rows); its arrays are arguments of one compiled program, the rest the same for
-    every chunk."""
+    a chunk's scores, in one compiled program for every chunk. Inside it,
+    ``rows_options(operands, start, size)`` gives the reference's options for rows
+    [start, start + size) alone (what depends on a row's position, causal masks, ALiBi, a
+    mod's query index, stated for these rows): `start` is a traced int32 scalar, and
+    `operands` (a pytree of the problem's arrays: a bias, ids, tables) arguments of the
+    program rather than constants in it."""
     import jax
     import jax.numpy as jnp
 
@@ -239,23 +241,19 @@ def reference_kv_grads(qs, ks, vs, dos, rows_options, chunk: int = 512):
 
     seq_q = qs.shape[1]
     chunk = math.gcd(seq_q, chunk)
-    is_array = lambda x: bool(jax.tree.leaves(x)) and all(hasattr(a, "shape") for a in jax.tree.leaves(x))
-    static = {name: value for name, value in rows_options(0, chunk).items() if not is_array(value)}
 
-    def share(q_rows, do_rows, arrays):
-        attend = lambda k_, v_: reference.attention(q_rows, k_, v_, **arrays, **static)
+    def share(q_rows, do_rows, start, operands):
+        options = rows_options(operands, start, q_rows.shape[1])
+        attend = lambda k_, v_: reference.attention(q_rows, k_, v_, **options)
         return jax.vjp(attend, ks, vs)[1](do_rows)
 
-    def arrays_of(start):
-        options = rows_options(start, start + chunk)
-        return {name: jax.tree.map(jnp.asarray, value) for name, value in options.items() if name not in static}
-
+    operands = jax.tree.map(jnp.asarray, operands)
     # The reference's matmuls need no autotuning to be exact (and XLA's autotuner is slow).
     compile_options = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else None
-    compiled = jax.jit(share).lower(qs[:, :chunk], dos[:, :chunk], arrays_of(0)).compile(compile_options)
+    compiled = jax.jit(share).lower(qs[:, :chunk], dos[:, :chunk], jnp.int32(0), operands).compile(compile_options)
     dk, dv = jnp.zeros_like(ks), jnp.zeros_like(vs)
     for start in range(0, seq_q, chunk):
-        part = compiled(qs[:, start:start + chunk], dos[:, start:start + chunk], arrays_of(start))
+        part = compiled(qs[:, start:start + chunk], dos[:, start:start + chunk], jnp.int32(start), operands)
         dk, dv = dk + part[0], dv + part[1]
     return np.asarray(dk), np.asarray(dv)
 
@@ -312,11 +310,11 @@ class Checker:
             qs, ks, vs, dos = problem["slices"]
             seq_q, seq_k = qs.shape[1], ks.shape[1]
 
-            def rows_options(start, end):
+            def rows_options(operands, start, size):
                 if not cell.causal:
                     return {"scale": cell.scale}
                 # The rows' own positions, bottom-right aligned as in the call.
-                rows = jnp.arange(start, end)[:, None] + (seq_k - seq_q)
+                rows = start + jnp.arange(size)[:, None] + (seq_k - seq_q)
                 return {"scale": cell.scale, "mask": (jnp.arange(seq_k)[None, :] <= rows)[None, None]}
 
             problem["kv_grads"] = reference_kv_grads(qs, ks, vs, dos, rows_options)

@@ -158,6 +158,7 @@ def test_flex_smoke(tmp_path, capsys):
                 elif impl != "torch_flex":
                     assert cell["status"] == "ok", (key, cell.get("error"))
                     assert max(cell["rel_err"].values()) < benchmark.TOLERANCE and cell["median_ms"] > 0
+                    assert set(cell["rel_err"]) == ({"out"} if mode == "fwd" else {"dq", "dk", "dv"}), (key, cell)
                     assert 0 < cell["visible"] <= 1 and cell["tflops"] > 0
                 elif not torch_installed:
                     assert cell["status"] == "unavailable" and "torch is not installed" in cell["error"], (key, cell)
@@ -201,6 +202,33 @@ def test_variants_smoke(tmp_path):
             assert row["fa3_fwd_status"] == ("unavailable" if row["variant"] == "4 rows causal" else "unsupported")
     table = _script("plot").variants_markdown(json.loads(out.read_text()))
     assert "| segments x4 causal |" in table and "Triton fwd / fwd+bwd" in table
+
+
+@pytest.mark.parametrize("name", ["causal_document", "document_window", "t5_bias", "sinks", "mla"])
+def test_flex_kv_reference_by_chunks(name):
+    """flex.py's dk / dv reference over chunks of query rows (each chunk's mods, causal mask
+    and window stated for its own rows) equals the whole-sequence reference's gradients, and
+    catches a dk or dv off by 5% on early keys."""
+    from flashjax import reference
+
+    flex = _script("flex")
+    case, sizes = flex.CASES[name], flex.SMOKE_SIZES
+    cell = flex.make_cell(case, 128, "fwdbwd", "flashjax", sizes)
+    q, k, v, do = (x.astype(jnp.float32) for x in flex.inputs_for(cell))
+    arrays = flex.draw_arrays(case, cell.batch, 128, sizes)
+    want = flex.expected_kv(case, sizes, (q, k, v, do), arrays, chunk=32)  # 4 chunks
+    options = case.mod(flex.as_jax(arrays), sizes)
+    heads = want[0].shape[2]
+    row = lambda x: x[:1, :, :heads]
+    one_row = {name: value[:heads] if name == "sinks" else value for name, value in options.items()}
+    loss = lambda k_, v_: jnp.sum(reference.attention(row(q), k_, v_, **one_row) * row(do))
+    exact = jax.grad(loss, argnums=(0, 1))(row(k), row(v))
+    errors = flex.check_kv(want, *exact)
+    assert max(errors.values()) < 1e-5, errors
+    for wrong in (0, 1):
+        grads = list(exact)
+        grads[wrong] = grads[wrong].at[:, :8].multiply(1.05)
+        assert flex.check_kv(want, *grads)[("dk", "dv")[wrong]] > 1e-4, errors
 
 
 @pytest.mark.parametrize("causal", [False, True])
