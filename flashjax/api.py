@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import autodiff, backends, checks, dropout, flex
-from flashjax.kernels.common import varying_axes
 from flashjax.params import AttentionParams, Call, Extras
+from flashjax.vma import varying_axes
 
 __all__ = ["flash_attention", "explain"]
 

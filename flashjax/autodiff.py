@@ -19,7 +19,7 @@ import functools
 import jax
 
 from flashjax import backends
-from flashjax.kernels.common import vary_alike
+from flashjax.vma import vary_alike
 from flashjax.params import AttentionParams, Extras
 
 

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flashjax import backends, checks
-from flashjax.kernels.common import fold_sinks, varying_axes
+from flashjax.kernels.common import fold_sinks
 from flashjax.params import DecodeCall, DecodeParams, KVCache
+from flashjax.vma import varying_axes
 
 __all__ = ["decode_attention", "explain_decode"]
 

@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from flashjax.kernels.common import vary_alike
+from flashjax.vma import vary_alike, varying_axes
 
 __all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
 
@@ -343,6 +343,7 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
         # the Mod's equality (and of the kernels' operands): the calls inlined, they are the
         # program's own closed-over arrays.
         closed = jax.make_jaxpr(lambda *args: _evaluate(closed.jaxpr, closed.consts, args))(*_scalar_args(name))
+    closed = closed.replace(jaxpr=_without_pvary(closed.jaxpr))
     for c in closed.consts:
         if jax.dtypes.issubdtype(c.dtype, jax.dtypes.prng_key):
             raise ValueError(f"{name} closes over a typed PRNG key ({c.dtype}): close over jax.random.key_data(key) "
@@ -408,6 +409,25 @@ class _ArrayKey:
 
     def __hash__(self):
         return hash(self._value) if self._value is not None else id(self.array)
+
+
+def _without_pvary(jaxpr):
+    """The jaxpr without its pvary equations, each output replaced by its operand: a mod traced
+    inside jax.shard_map (check_vma=True) casts values, a closed-over array included, to
+    vary over mesh axes; the kernels read such an array through its ref, and `_bind` casts
+    each equation's operands alike where they vary (`vma.vary_alike`)."""
+    alias = {}
+    eqns = []
+    for eqn in jaxpr.eqns:
+        invars = [alias.get(x, x) if isinstance(x, jex_core.Var) else x for x in eqn.invars]
+        if eqn.primitive.name == "pvary":
+            alias.update(zip(eqn.outvars, invars))
+        else:
+            eqns.append(eqn.replace(invars=invars))
+    if not alias:
+        return jaxpr
+    outvars = [alias.get(x, x) if isinstance(x, jex_core.Var) else x for x in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars)
 
 
 def _hoist_constants(jaxpr, consts: tuple):
@@ -545,13 +565,23 @@ def _evaluate(jaxpr, consts, args) -> list:
         ins = [read(x) for x in eqn.invars]
         if any(isinstance(x, _ConstRef) for x in ins):
             outs = _with_refs(eqn, ins)
-        elif eqn.primitive.name in INLINED_CALLS:
+        elif eqn.primitive.name in INLINED_CALLS or (eqn.primitive.name in CUSTOM_RULES and _retyped(eqn, ins)):
+            # A custom rule's programs take values that vary over the mesh axes they were
+            # traced for (inside jax.shard_map): given others, its body runs inline,
+            # differentiated as its operations are (the same derivative, but at a kink the
+            # rule chose: relu at 0).
             outs = _evaluate(*inner_jaxpr(eqn), ins)
         else:
             outs = _bind(eqn, ins)
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
     return [read(x) for x in jaxpr.outvars]
+
+
+def _retyped(eqn, ins) -> bool:
+    """Whether an equation's operands vary over other mesh axes than its own were traced with."""
+    traced = lambda var: getattr(getattr(var.aval, "mat", None), "varying", frozenset())
+    return any(varying_axes(value) != traced(var) for var, value in zip(eqn.invars, ins))
 
 
 class Along(NamedTuple):
@@ -725,34 +755,51 @@ def _as_in_xla(eqn, ins, params, lowering: str) -> list | None:
     * the sign of a float: NaN for NaN and the zero itself for a zero (Mosaic gives +-1 for
       NaN);
     * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
-      relative): from exp2 instead, as the Hopper kernels' softcap, to float32 rounding.
+      relative): from exp2 instead, as the Hopper kernels' softcap, within a few float32
+      ulps.
     """
     prim, dtype = eqn.primitive, np.dtype(eqn.invars[0].aval.dtype)
     floating, integer = jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.integer)
     if prim in (lax.max_p, lax.min_p, lax.clamp_p) and floating and lowering == "triton":
         return [_nan_if_any_nan(prim.bind(*ins, **params), ins)]
-    if prim in (lax.div_p, lax.rem_p) and integer and _runtime(ins[1]):
+    signed = jnp.issubdtype(dtype, jnp.signedinteger)
+    if prim in (lax.div_p, lax.rem_p) and integer and not _runtime(ins[1]):
+        # A constant divisor: settled here, at no cost where it is neither 0 nor -1.
+        x, y = ins[0], int(ins[1])
+        if y == 0:
+            return [x if prim is lax.rem_p else lax.full_like(x, np.array(-1).astype(dtype))]
+        if y == -1 and signed:  # -x wraps the minimum to itself, as XLA's MIN / -1
+            return [lax.sub(lax.full_like(x, 0), x) if prim is lax.div_p else lax.full_like(x, 0)]
+        return None
+    if prim in (lax.div_p, lax.rem_p) and integer:
         x, y = ins
         zero = y == 0
         bad = zero
-        if jnp.issubdtype(dtype, jnp.signedinteger):
+        if signed:
             bad = bad | ((x == np.iinfo(dtype).min) & (y == -1))  # MIN / 1 = MIN, MIN % 1 = 0: XLA's
         out = prim.bind(x, jnp.where(bad, jnp.ones_like(y), y), **params)
-        # Cases as full arrays, not constants: Pallas' Triton lowering takes no constant case.
         by_zero = x if prim is lax.rem_p else lax.full_like(out, np.array(-1).astype(dtype))
         return [jnp.where(zero, by_zero, out)]
-    if prim in _SHIFTS and integer and _runtime(ins[1]):
+    if prim in _SHIFTS and integer:
         x, y = ins
         bits = dtype.itemsize * 8
-        fits = (y < bits) & (y >= 0) if jnp.issubdtype(dtype, jnp.signedinteger) else y < bits
+        past = (lambda: lax.shift_right_arithmetic(x, lax.full_like(x, bits - 1))) \
+            if prim is lax.shift_right_arithmetic_p else (lambda: lax.full_like(x, 0))
+        if not _runtime(y):  # a constant amount: settled here, at no cost within the width
+            return None if 0 <= int(y) < bits else [past()]
+        fits = (y < bits) & (y >= 0) if signed else y < bits
         out = prim.bind(x, jnp.where(fits, y, jnp.zeros_like(y)), **params)
-        past = lax.shift_right_arithmetic(x, jnp.asarray(bits - 1, dtype)) if prim is lax.shift_right_arithmetic_p \
-            else jnp.zeros_like(out)
-        return [jnp.where(fits, out, past)]
+        return [jnp.where(fits, out, past())]
     if prim is lax.convert_element_type_p and params["new_dtype"] == np.bool_ and dtype != np.bool_:
         return [ins[0] != 0]
     if prim is lax.tanh_p and lowering == "mosaic":
-        return [1.0 - 2.0 / (jnp.exp2(ins[0] * (2.0 * _LOG2E)) + 1.0)]
+        # Odd by construction, from |x|; below 0.3 tanh's series to x**9 (the exp2 form
+        # loses relative accuracy there, to cancellation): within 2 float32 ulps throughout.
+        x = ins[0]
+        magnitude = 1.0 - 2.0 / (jnp.exp2(jnp.abs(x) * (2.0 * _LOG2E)) + 1.0)
+        x2 = x * x
+        series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+        return [jnp.where(jnp.abs(x) < 0.3, series, jnp.where(x < 0, -magnitude, magnitude))]
     if prim is lax.sign_p and floating:
         x = ins[0]
         return [jnp.where(x > 0, lax.full_like(x, 1), jnp.where(x < 0, lax.full_like(x, -1), x))]

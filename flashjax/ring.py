@@ -616,8 +616,8 @@ def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse, score_cons
 
 # ---- global arrays: shard_map, custom_vjp, jit --------------------------------------------
 def _sharded(ring: _Ring, fn, in_specs, out_specs):
-    # check_vma=False: the Pallas call inside has no varying-manual-axes rule; every
-    # output is explicitly per-device anyway.
+    # check_vma=False: every output is explicitly per-device, and the kernels' interpret
+    # mode (which does not carry the values' mesh axes, `vma.py`) runs there too.
     return jax.shard_map(
         functools.partial(fn, ring), mesh=ring.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )

@@ -207,7 +207,8 @@ def decode_per_shard(fn, q, cache, layout):
 
     out_specs = (P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None))
     args = [_place(mesh, x, spec) for x, spec in zip((q, *arrays), in_specs)]
-    # check_vma=False: the Pallas call has no varying-manual-axes rule.
+    # check_vma=False: nothing here needs JAX's check of the values' mesh axes (the calls
+    # inside would pass it, `vma.py`), and without it the kernels' interpret mode runs too.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
@@ -285,10 +286,10 @@ def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, st
 
     spec, lse_spec = P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None)
     out_specs = (spec, lse_spec) if return_lse else spec
-    # check_vma=False: the Pallas call has no varying-manual-axes rule. Inputs with a
-    # replicated spec (a bias broadcast over the batch) then get their cotangents
-    # summed over the devices by shard_map's transpose, which is what their
-    # broadcast means.
+    # check_vma=False: the kernels' interpret mode runs there too (the compiled kernels
+    # would pass JAX's check, `vma.py`). Inputs with a replicated spec (a bias broadcast
+    # over the batch) get their cotangents summed over the devices by shard_map's
+    # transpose, which is what their broadcast means.
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
 

@@ -226,8 +226,9 @@ def check_inside_user_shard_map(*, seed, mesh_shape=(2, 2), head_dim=16, dtype="
     (data, sp) mesh, against the reference:
 
     * q, k, v split along the batch and the heads;
-    * q's rows split along sp, k, v, a bias [1, H, 1, Tk] and a score_mod's table replicated
-      over sp: their gradients are the sums over the sp shards;
+    * q's rows split along sp, k, v, a bias [1, H, 1, Tk] and a score_mod's table (through
+      relu, a custom_jvp rule) replicated over sp: their gradients are the sums over the sp
+      shards;
     * decode steps on a cache split along the batch.
 
     Without a GPU the Triton kernels' interpret mode cannot run there: auto takes the
@@ -244,7 +245,7 @@ def check_inside_user_shard_map(*, seed, mesh_shape=(2, 2), head_dim=16, dtype="
     loss = lambda o: jnp.sum(jnp.sin(o))
 
     def attend(q, k, v, bias, table, backend=None):
-        mod = lambda s, b, h, i, j: s + table[h] * (j % 5)
+        mod = lambda s, b, h, i, j: s + jax.nn.relu(table[h]) * (j % 5)  # relu: a custom_jvp rule
         if backend is None:
             up = lambda x: x.astype(jnp.float32)
             return reference.attention(up(q), up(k), up(v), bias=bias, mask_mod=mask_mod, score_mod=mod)

@@ -1,13 +1,11 @@
 """Pieces shared by every kernel backend: the base-2 constants, the online softmax's start,
-token padding, the backward's per-row inputs, the exact merge of partial results (ring
-attention's steps, split-KV decoding's splits), and the mesh axes a kernel's outputs vary
-over inside `jax.shard_map`."""
+token padding, the backward's per-row inputs, and the exact merge of partial results (ring
+attention's steps, split-KV decoding's splits)."""
 
 from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 # Kernels work in base 2: exp(x) = exp2(x * log2(e)), and exp2 is a single MUFU
@@ -105,40 +103,3 @@ def merge_splits(o, lse):
         out, out_lse = merge(out, out_lse, o[split], lse[split])
     return out, out_lse
 
-
-# ---- inside jax.shard_map (check_vma=True): the mesh axes values vary over ----------------
-
-
-def varying_axes(*trees) -> frozenset:
-    """The mesh axes any array in `trees` varies over inside `jax.shard_map` (empty outside
-    one, or with check_vma=False)."""
-    axes = frozenset()
-    for leaf in jax.tree.leaves(trees):
-        mat = getattr(jax.typeof(leaf), "mat", None)
-        axes |= mat.varying if mat is not None else frozenset()
-    return axes
-
-
-def vary_alike(tree, *like):
-    """Every array of `tree` cast to vary over the union of the axes they (and the arrays of
-    `like`) vary over: the kernels' outputs (one type for all, `out_types`) and so their
-    cotangents then match each input's type, and the cast's transpose sums the gradient of
-    an input replicated over an axis (k, v or a bias shared by the shards of q) over that
-    axis."""
-    axes = varying_axes(tree, like)
-    if not axes:
-        return tree
-
-    def cast(x):
-        missing = tuple(sorted(axes - varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def out_types(shapes, *inputs):
-    """`shapes` (a pytree of ShapeDtypeStructs or arrays) as the ShapeDtypeStructs of a Pallas
-    kernel's outputs that vary over the mesh axes of its `inputs`: inside `jax.shard_map`
-    with check_vma=True, Pallas cannot infer them and asks for them."""
-    mat = jax.sharding.ManualAxisType(varying=varying_axes(inputs))
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), shapes)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from flashjax import dropout, flex, reference
-from flashjax.kernels.common import vary_alike
 from flashjax.params import AttentionParams, Extras
+from flashjax.vma import vary_alike
 
 # The gradient of the arrays a score_mod closes over is computed over chunks of query rows
 # holding about this many scores.

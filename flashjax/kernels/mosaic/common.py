@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from flashjax import dropout, flex, masks
-from flashjax.kernels.common import LOG2E, out_types
+from flashjax.kernels.common import LOG2E
+from flashjax.vma import out_types
 from flashjax.masks import BlockRange, MaskSpec
 
 # Consumer warpgroups per CTA (each owns one tile of the walked operand).

@@ -46,7 +46,7 @@ def interpreter_reasons(call) -> list[str]:
     jax.shard_map with check_vma=True, Pallas' interpreter (JAX 0.11.2) evaluates the kernels
     on values typed with mesh axes that their own programs do not carry, and fails in some
     of them (the bias gradient, block masks). The compiled GPU kernels type their outputs
-    (`common.out_types`)."""
+    (`vma.out_types`)."""
     if call.platform == "gpu" or not call.varying_axes:
         return []
     return [f"no GPU, inside jax.shard_map with check_vma=True (inputs varying over {', '.join(call.varying_axes)}): "

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import flex
-from flashjax.kernels.common import out_types
+from flashjax.vma import out_types
 
 # Key tiles per program: enough work per program to hide its launch, few enough that a
 # short row still spreads over the GPU.

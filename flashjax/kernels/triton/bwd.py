@@ -26,12 +26,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.kernels.common import out_types
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.fwd import extra_specs, whole_flex_specs
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import Extras
+from flashjax.vma import out_types
 
 
 def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,

@@ -55,6 +55,7 @@ from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import DecodeConfig, next_power_of_two
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import DecodeCall, DecodeParams, KVCache
+from flashjax.vma import out_types
 
 __all__ = ["supports", "decode", "num_splits", "DecodeTiling", "DecodeConfig"]
 
@@ -478,7 +479,7 @@ def partials(q, cache: KVCache, params: DecodeParams, t: DecodeTiling):
             pl.BlockSpec((None, None, None, t.block_q, t.v_head_dim), lambda b, h, s, i: (*out_index(b, h, s, i), 0)),
             pl.BlockSpec((None, None, None, t.block_q), out_index),
         ],
-        out_shape=common.out_types([
+        out_shape=out_types([
             jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows, t.v_head_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, kv_heads, t.num_splits, padded_rows), jnp.float32),
         ], cache.lengths, q_rows, refs),

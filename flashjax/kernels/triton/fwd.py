@@ -16,11 +16,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from flashjax import masks
-from flashjax.kernels.common import LOG2E, ROW_MAX_START, out_types
+from flashjax.kernels.common import LOG2E, ROW_MAX_START
 from flashjax.kernels.triton import scoring
 from flashjax.kernels.triton.config import KernelConfig
 from flashjax.kernels.triton.scoring import Scorer
 from flashjax.params import Extras
+from flashjax.vma import out_types
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, x: Extras, o_ref, lse_ref, *, scorer: Scorer, block_k: int, heads: int):
