@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 import operator
 from typing import Any, Callable, NamedTuple
 
@@ -44,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from flashjax import xla_semantics
 from flashjax.vma import vary_alike, varying_axes
 
 __all__ = ["Mod", "BlockMask", "block_mask", "trace", "elementwise", "SCORE_MOD", "MASK_MOD"]
@@ -141,7 +141,7 @@ class Mod:
             positions passed as scalars); by default the broadcast of the arrays.
           lowering: the kernel's lowering, "triton" or "mosaic": the operations whose rule
             there differs from XLA's semantics on some inputs are evaluated as XLA does
-            (`_as_in_xla`), so that the kernels agree with the reference.
+            (`xla_semantics.evaluate`), so that the kernels agree with the reference.
 
         Returns:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
@@ -683,7 +683,7 @@ def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
     if eqn.primitive is lax.select_n_p or _selected(eqn, [v for v, _ in ins]):
         # Every operand of a select spans the equation's axes: Mosaic GPU cannot broadcast a
         # scalar predicate (or case) over a tile implicitly (`where(flags[h], s, 0.5 * s)`);
-        # nor those of the operations `_as_in_xla` evaluates through selects (`i // sizes[h]`).
+        # nor those of the operations `xla_semantics` evaluates through selects (`i // sizes[h]`).
         ins = [(v.load() if isinstance(v, _ConstRef) and not v.shape else v, own) for v, own in ins]
         batched = [True] * len(ins)
     else:
@@ -713,97 +713,14 @@ REWRITTEN = {
 # The kernel lowering `Mod.tile` evaluates for while it runs ("triton", "mosaic"), None
 # elsewhere (XLA: the reference's own semantics).
 _LOWERING = contextvars.ContextVar("flashjax_flex_lowering", default=None)
-_SHIFTS = (lax.shift_left_p, lax.shift_right_logical_p, lax.shift_right_arithmetic_p)
-_LOG2E = math.log2(math.e)
 
 
 def _selected(eqn, ins) -> bool:
-    """Whether `_as_in_xla` evaluates an equation through selects of its operands (an integer
-    division, remainder or shift by a runtime amount, in a kernel)."""
-    return (_LOWERING.get() is not None and eqn.primitive in (lax.div_p, lax.rem_p, *_SHIFTS)
+    """Whether `xla_semantics.evaluate` takes an equation through selects of its operands (an
+    integer division, remainder or shift by a runtime amount, in a kernel)."""
+    return (_LOWERING.get() is not None and eqn.primitive in xla_semantics.SELECTED
             and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.integer)
-            and (isinstance(ins[1], _ConstRef) or _runtime(ins[1])))
-
-
-def _runtime(v) -> bool:
-    """Whether a value is only known when the kernel runs (a constant folds in XLA)."""
-    return isinstance(v, jax.core.Tracer) or np.ndim(v) > 0
-
-
-def _nan_if_any_nan(out, ins):
-    """`out` where no value of `ins` is NaN, NaN where one is (the dtype's own NaN)."""
-    for v in ins:
-        if _runtime(v):
-            out = jnp.where(v != v, jnp.asarray(np.nan, out.dtype), out)
-        elif np.isnan(v):
-            return jnp.full_like(out, np.nan)
-    return out
-
-
-def _as_in_xla(eqn, ins, params, lowering: str) -> list | None:
-    """The results of an equation as XLA defines them, where `lowering`'s own rule differs on
-    some inputs (JAX 0.11.2), or None where it does not:
-
-    * a float max / min / clamp with a NaN operand: NaN (Triton's maxnumf / minnumf return
-      the other operand);
-    * an integer division or remainder by zero, and the signed minimum over -1: XLA gives
-      -1 (all ones), x, the minimum and 0; both lowerings emit LLVM's sdiv / srem, undefined
-      there;
-    * a shift by the bit width or more (or a negative amount): 0, or the sign for an
-      arithmetic right shift; undefined in LLVM;
-    * a number converted to bool: x != 0 (Mosaic keeps the low bit or truncates a float);
-    * the sign of a float: NaN for NaN and the zero itself for a zero (Mosaic gives +-1 for
-      NaN);
-    * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
-      relative): from exp2 instead, as the Hopper kernels' softcap, within a few float32
-      ulps.
-    """
-    prim, dtype = eqn.primitive, np.dtype(eqn.invars[0].aval.dtype)
-    floating, integer = jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.integer)
-    if prim in (lax.max_p, lax.min_p, lax.clamp_p) and floating and lowering == "triton":
-        return [_nan_if_any_nan(prim.bind(*ins, **params), ins)]
-    signed = jnp.issubdtype(dtype, jnp.signedinteger)
-    if prim in (lax.div_p, lax.rem_p) and integer and not _runtime(ins[1]):
-        # A constant divisor: settled here, at no cost where it is neither 0 nor -1.
-        x, y = ins[0], int(ins[1])
-        if y == 0:
-            return [x if prim is lax.rem_p else lax.full_like(x, np.array(-1).astype(dtype))]
-        if y == -1 and signed:  # -x wraps the minimum to itself, as XLA's MIN / -1
-            return [lax.sub(lax.full_like(x, 0), x) if prim is lax.div_p else lax.full_like(x, 0)]
-        return None
-    if prim in (lax.div_p, lax.rem_p) and integer:
-        x, y = ins
-        zero = y == 0
-        bad = zero
-        if signed:
-            bad = bad | ((x == np.iinfo(dtype).min) & (y == -1))  # MIN / 1 = MIN, MIN % 1 = 0: XLA's
-        out = prim.bind(x, jnp.where(bad, jnp.ones_like(y), y), **params)
-        by_zero = x if prim is lax.rem_p else lax.full_like(out, np.array(-1).astype(dtype))
-        return [jnp.where(zero, by_zero, out)]
-    if prim in _SHIFTS and integer:
-        x, y = ins
-        bits = dtype.itemsize * 8
-        past = (lambda: lax.shift_right_arithmetic(x, lax.full_like(x, bits - 1))) \
-            if prim is lax.shift_right_arithmetic_p else (lambda: lax.full_like(x, 0))
-        if not _runtime(y):  # a constant amount: settled here, at no cost within the width
-            return None if 0 <= int(y) < bits else [past()]
-        fits = (y < bits) & (y >= 0) if signed else y < bits
-        out = prim.bind(x, jnp.where(fits, y, jnp.zeros_like(y)), **params)
-        return [jnp.where(fits, out, past())]
-    if prim is lax.convert_element_type_p and params["new_dtype"] == np.bool_ and dtype != np.bool_:
-        return [ins[0] != 0]
-    if prim is lax.tanh_p and lowering == "mosaic":
-        # Odd by construction, from |x|; below 0.3 tanh's series to x**9 (the exp2 form
-        # loses relative accuracy there, to cancellation): within 2 float32 ulps throughout.
-        x = ins[0]
-        magnitude = 1.0 - 2.0 / (jnp.exp2(jnp.abs(x) * (2.0 * _LOG2E)) + 1.0)
-        x2 = x * x
-        series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
-        return [jnp.where(jnp.abs(x) < 0.3, series, jnp.where(x < 0, -magnitude, magnitude))]
-    if prim is lax.sign_p and floating:
-        x = ins[0]
-        return [jnp.where(x > 0, lax.full_like(x, 1), jnp.where(x < 0, lax.full_like(x, -1), x))]
-    return None
+            and (isinstance(ins[1], _ConstRef) or xla_semantics.runtime(ins[1])))
 
 
 def _bind(eqn, ins) -> list:
@@ -823,8 +740,8 @@ def _bind(eqn, ins) -> list:
         # predicate's type (a `where(c, 7, x)` becomes a select of i1 and i32, which Triton
         # rejects on the GPU): the cases enter with their own dtype, strongly typed.
         # (A constant case stays a constant, so that a select of constants still folds.)
-        ins = [ins[0], *(lax.convert_element_type(v, var.aval.dtype) if _runtime(v) else np.asarray(v, var.aval.dtype)
-                         for v, var in zip(ins[1:], eqn.invars[1:]))]
+        typed = lambda v, dtype: lax.convert_element_type(v, dtype) if xla_semantics.runtime(v) else np.asarray(v, dtype)
+        ins = [ins[0], *(typed(v, var.aval.dtype) for v, var in zip(ins[1:], eqn.invars[1:]))]
     if not subfuns and all(not isinstance(v, jax.core.Tracer) and np.ndim(v) == 0 for v in ins):
         # A scalar of constants folds here, to a NumPy scalar (a literal in a kernel): Pallas'
         # Triton lowering has rules that take no constant operand (a negated constant in a
@@ -835,7 +752,7 @@ def _bind(eqn, ins) -> list:
         return [np.asarray(o)[()] for o in outs]
     ins = vary_alike(ins)
     lowering = _LOWERING.get()
-    if lowering is not None and (outs := _as_in_xla(eqn, ins, params, lowering)) is not None:
+    if lowering is not None and (outs := xla_semantics.evaluate(eqn, ins, params, lowering)) is not None:
         return outs
     if eqn.primitive.name in REWRITTEN:
         return [REWRITTEN[eqn.primitive.name][1](*ins)]

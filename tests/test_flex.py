@@ -1660,7 +1660,7 @@ def test_random_mods_on_auto(seed):
 
 
 # Mods whose values, on some inputs, a kernel lowering's own rule computes unlike XLA
-# (`flex._as_in_xla`); each reads its operands from closed-over arrays, so that they are
+# (`xla_semantics.evaluate`); each reads its operands from closed-over arrays, so that they are
 # runtime values in the kernels (constants fold in XLA), and keeps key 0 visible.
 _ZERO_OR_3 = jnp.asarray([0, 3], jnp.int32)
 _SHIFT_32_OR_2 = jnp.asarray([32, 2], jnp.int32)

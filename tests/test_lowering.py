@@ -593,7 +593,7 @@ def _lowering_mods():
 @pytest.mark.parametrize("backend", ["mosaic", "triton"])
 @pytest.mark.parametrize("mask_mod", _lowering_mods())
 def test_mods_evaluated_as_in_xla_lower_for_sm90(on_hopper, mask_mod, backend):
-    """The mods whose operations the kernels evaluate as XLA does (`flex._as_in_xla`: runtime
+    """The mods whose operations the kernels evaluate as XLA does (`xla_semantics.evaluate`: runtime
     divisors and shift amounts, conversions to bool, the sign of NaN) lower for sm_90 on
     both backends, forward and backward."""
     import flashjax
