@@ -451,24 +451,18 @@ def expected(case: Case, sizes: Sizes, mode: str, inputs, arrays: dict):
     return np.asarray(jax.jit(ref).lower(qs, dos).compile(compiler_options)(qs, dos))
 
 
-def _chunk_options(options: dict, start, size: int, heads: int) -> dict:
+def _chunk_options(options: dict, start, size: int, heads: int, seq: int) -> dict:
     """The mod-form options as the reference sees them for query rows [start, start + size) of
-    batch row 0 among all keys (`start` a traced scalar; the cases attend to themselves):
-    `_rows_options`, with causal and the window, which the reference aligns to the rows it is
-    given, stated as a mask_mod on these rows' own positions."""
+    batch row 0 among all `seq` keys (`start` a traced scalar; the cases attend to
+    themselves): `_rows_options`, with causal and the window, which the reference aligns to
+    the rows it is given, stated as a mask of these rows' own positions."""
     import jax.numpy as jnp
 
-    causal, (left, right) = options.get("causal"), options.get("window") or (None, None)
-    out = _rows_options({k: v for k, v in options.items() if k not in ("causal", "window")}, start, heads)
-    if causal or left is not None or right is not None:
-        def mask_mod(b, h, q_idx, kv_idx, inner=out.get("mask_mod")):
-            row = q_idx + start
-            allowed = jnp.bool_(True) if inner is None else inner(b, h, q_idx, kv_idx)
-            allowed = allowed & (kv_idx <= row) if causal else allowed
-            allowed = allowed & (kv_idx >= row - left) if left is not None else allowed
-            return allowed & (kv_idx <= row + right) if right is not None else allowed
+    from flashjax import reference
 
-        out["mask_mod"] = mask_mod
+    out = _rows_options({k: v for k, v in options.items() if k not in ("causal", "window")}, start, heads)
+    out["mask"] = reference.logits_mask(1, seq, seq, causal=bool(options.get("causal")), window=options.get("window"),
+                                        rows=start + jnp.arange(size))
     return out
 
 
@@ -480,7 +474,8 @@ def expected_kv(case: Case, sizes: Sizes, inputs, arrays: dict, chunk: int = 512
     q, k, v, do = inputs
     heads = min(CHECK_HEADS, q.shape[2])
     rows = lambda x: x[:1, :, :heads].astype(jnp.float32)
-    rows_options = lambda operands, start, size: _chunk_options(case.mod(operands, sizes), start, size, heads)
+    rows_options = lambda operands, start, size: _chunk_options(case.mod(operands, sizes), start, size, heads,
+                                                                q.shape[1])
     return benchmark.reference_kv_grads(rows(q), rows(k), rows(v), rows(do), rows_options, as_jax(arrays), chunk=chunk)
 
 

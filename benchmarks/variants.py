@@ -256,20 +256,16 @@ def _chunk_options(case: Case, operands: dict, start, size: int) -> dict:
     rows it is given, stated for these rows' own positions (a mask, a bias)."""
     import jax.numpy as jnp
 
+    from flashjax import reference
+
     positional = ("causal", "window", "alibi_slopes")
     options = {name: _slice_option(name, operands.get(name, value), start, size) for name, value in case.options.items()
                if name not in positional}
     rows = start + jnp.arange(size)[:, None]  # self-attention: aligned positions are the rows'
     cols = jnp.arange(case.seq)[None, :]
-    allowed = jnp.ones((size, case.seq), bool)
-    if case.options.get("causal"):
-        allowed &= cols <= rows
-    left, right = case.options.get("window") or (None, None)
-    if left is not None:
-        allowed &= cols >= rows - left
-    if right is not None:
-        allowed &= cols <= rows + right
-    options["mask"] = allowed[None, None] & options["mask"] if "mask" in options else allowed[None, None]
+    allowed = reference.logits_mask(1, case.seq, case.seq, causal=bool(case.options.get("causal")),
+                                    window=case.options.get("window"), rows=rows[:, 0])
+    options["mask"] = allowed & options["mask"] if "mask" in options else allowed
     if "alibi_slopes" in case.options:
         slopes = jnp.asarray(operands.get("alibi_slopes", case.options["alibi_slopes"])[:CHECK_HEADS], jnp.float32)
         alibi = -slopes[None, :, None, None] * jnp.abs(rows - cols).astype(jnp.float32)[None, None]

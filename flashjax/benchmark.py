@@ -305,6 +305,8 @@ class Checker:
         (`reference_kv_grads`)."""
         import jax.numpy as jnp
 
+        from flashjax import reference
+
         problem = self._problem(cell, q, k, v, do)
         if "kv_grads" not in problem:
             qs, ks, vs, dos = problem["slices"]
@@ -314,8 +316,8 @@ class Checker:
                 if not cell.causal:
                     return {"scale": cell.scale}
                 # The rows' own positions, bottom-right aligned as in the call.
-                rows = start + jnp.arange(size)[:, None] + (seq_k - seq_q)
-                return {"scale": cell.scale, "mask": (jnp.arange(seq_k)[None, :] <= rows)[None, None]}
+                mask = reference.logits_mask(1, seq_q, seq_k, causal=True, rows=start + jnp.arange(size))
+                return {"scale": cell.scale, "mask": mask}
 
             problem["kv_grads"] = reference_kv_grads(qs, ks, vs, dos, rows_options)
         return (problem["kv_heads"], *problem["kv_grads"])

@@ -695,10 +695,9 @@ def test_half_precision_dbias_is_that_of_the_rounded_output(dtype, seed):
     True,
 ], ids=["default", "float32_residual"])
 def test_half_precision_high_dropout_peaked_rows(dtype, float32_residual):
-    # 128 one-key rows, about 13 of them kept: for this draw the residue exceeds the tolerance
-    # in both dtypes (on the CPU, with kept weights scaled by 1 / P(keep) = 65536 / 6554). With
-    # a few rows, whether it does depends on which of them the draw keeps (key 1 did in both
-    # with a scale of exactly 10, and not in float16 since).
+    # 128 one-key rows, about 13 of them kept: for this draw (key 3) the residue exceeds the
+    # tolerance in both dtypes (on the CPU, with kept weights scaled by 1 / P(keep) =
+    # 65536 / 6554). With a few rows, whether it does depends on which of them the draw keeps.
     shape = Shape(1, 128, 128, 1, 1, 16)
     options = dict(window=(0, 0), dropout_rate=HIGH_DROPOUT, dropout_rng=jax.random.key(3))
     case = Case(shape, dtype, 0, 1.0, dict(options, float32_residual=float32_residual), None)

@@ -102,4 +102,3 @@ def merge_splits(o, lse):
     for split in range(1, o.shape[0]):
         out, out_lse = merge(out, out_lse, o[split], lse[split])
     return out, out_lse
-
