@@ -324,9 +324,10 @@ def trace(fn, name: str) -> tuple[Mod, tuple]:
     def checked(*args):
         out = jnp.asarray(fn(*args))
         if out.shape != ():
+            called = "scalar int32 indices" + (" and a float32 score" if name == SCORE_MOD else "")
             raise ValueError(
-                f"{name} must return one scalar: it is called with scalar int32 indices (and a float32 "
-                f"score), as FlexAttention's vmap does, and returned shape {out.shape}."
+                f"{name} must return one scalar: it is called with {called}, as FlexAttention's vmap does, "
+                f"and returned shape {out.shape}."
             )
         if name == MASK_MOD:
             if out.dtype != jnp.bool_:
@@ -435,16 +436,21 @@ def _hoist_constants(jaxpr, consts: tuple):
     a `jnp.linspace`) evaluated here, once, and passed in as closed-over arrays (a kernel
     reads arrays only through its inputs). Scalars computed from literals stay in place
     (constants the kernels' compilers fold); what reads a closed-over array stays in the
-    mod, read per score as the arrays' own reads are (the ring passes its position map so)."""
+    mod, read per score as the arrays' own reads are (the ring passes its position map so).
+    A device's index on a mesh axis (`jax.lax.axis_index` inside the user's shard_map) is
+    evaluated here too, where the axis is bound, and passed in as a closed-over scalar."""
     built, pure = set(), set()  # built: arrays from literals; pure: such scalars
     from_literals = lambda x: isinstance(x, jex_core.Literal) or x in pure
     fixed, rest = [], []  # fixed: the equations of built and pure values, in order
     for eqn in jaxpr.eqns:
-        if eqn.effects or not all(from_literals(x) or x in built for x in eqn.invars):
+        mesh_dependent = eqn.primitive.name in MESH_DEPENDENT  # its effect: naming the axis
+        if (eqn.effects and not mesh_dependent) or not all(from_literals(x) or x in built for x in eqn.invars):
             rest.append(eqn)
             continue
         fixed.append(eqn)
-        if all(map(from_literals, eqn.invars)) and all(v.aval.shape == () for v in eqn.outvars):
+        if mesh_dependent:
+            built.update(eqn.outvars)
+        elif all(map(from_literals, eqn.invars)) and all(v.aval.shape == () for v in eqn.outvars):
             pure.update(eqn.outvars)
             rest.append(eqn)
         else:
@@ -454,7 +460,10 @@ def _hoist_constants(jaxpr, consts: tuple):
     env = {}
     read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
     for eqn in fixed:
-        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
+        if eqn.primitive.name in MESH_DEPENDENT:  # this device's value, a value of the caller's trace
+            env[eqn.outvars[0]] = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
+        else:
+            env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
     needed = []
     for x in [x for eqn in rest for x in eqn.invars] + list(jaxpr.outvars):
         if isinstance(x, jex_core.Var) and x in built and x not in needed:
@@ -862,6 +871,9 @@ CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2",
 # shard_map body evaluating the mod cannot take. Custom-derivative calls keep their rules.
 CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call"})
 INLINED_CALLS = CALLS - CUSTOM_RULES
+# Operations whose value is the device's place on a mesh axis: a kernel has no mesh axis, so
+# `_hoist_constants` evaluates them where the mod is traced.
+MESH_DEPENDENT = frozenset({"axis_index"})
 
 
 def inner_jaxpr(eqn):

@@ -30,7 +30,7 @@ import functools
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from flashjax import checks, flex
+from flashjax import checks, flex, vma
 from flashjax.api import flash_attention
 
 __all__ = ["sharded_flash_attention"]
@@ -207,9 +207,14 @@ def decode_per_shard(fn, q, cache, layout):
 
     out_specs = (P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None))
     args = [_place(mesh, x, spec) for x, spec in zip((q, *arrays), in_specs)]
-    # check_vma=False: nothing here needs JAX's check of the values' mesh axes (the calls
-    # inside would pass it, `vma.py`), and without it the kernels' interpret mode runs too.
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    # Checked (check_vma) only where the operands vary over the manual axes of a user's
+    # shard_map with check_vma=True (one manual over some axes of an Explicit mesh): unchecked,
+    # the outputs would be typed invariant over those axes, and the cotangent of an operand
+    # replicated over them (sinks) would not be summed over their devices. Elsewhere
+    # unchecked, so that the kernels' interpret mode runs too (the compiled kernels would
+    # pass the check, `vma.py`).
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=bool(vma.varying_axes(args)))(*args)
 
 
 def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
@@ -243,16 +248,46 @@ def _sharded(q, k, v, mesh, batch_axis, head_axis, kwargs):
             specs.append(array_spec)
     in_specs = (spec, spec, spec, *specs, *(P() for _ in consts))
     args = [_place(mesh, x, s) for x, s in zip((q, k, v, *arrays, *consts), in_specs)]
-    key = (mesh, batch_axis, head_axis, tuple(names), in_specs, tuple(static.items()), tuple(mods))
+    outer_axes = vma.varying_axes(q, k, v, arrays, consts)
+    key = (mesh, batch_axis, head_axis, tuple(names), in_specs, tuple(static.items()), tuple(mods), bool(outer_axes))
     try:
         run = _shard_mapped(*key)
     except TypeError:  # an unhashable option: built for this call alone
         run = _shard_mapped.__wrapped__(*key)
+    if outer_axes:
+        run = _forward_only(run, outer_axes, (batch_axis, head_axis))
     return run(*args)
 
 
+def _forward_only(run, outer_axes, inner_axes):
+    """`run` (`_shard_mapped` checking the values' mesh axes) with a clear error for its
+    gradient: JAX 0.11 cannot lower the transpose of a checked shard_map nested in a user's
+    shard_map that is manual over other axes of the mesh (its residuals' shardings list
+    the outer axes first, which Shardy rejects)."""
+
+    @jax.custom_vjp
+    def call(*args):
+        return run(*args)
+
+    def fwd(*args):
+        return run(*args), None
+
+    def bwd(_, cotangent):
+        inner = sorted(set(checks.mesh_axis_names(inner_axes[0]) + checks.mesh_axis_names(inner_axes[1])))
+        raise NotImplementedError(
+            f"the gradient of flash_attention on arrays split over the Explicit mesh axes {inner} inside a "
+            f"jax.shard_map with check_vma=True that is manual over {sorted(outer_axes)}: JAX cannot lower the "
+            "backward of the per-shard call nested there. Make the shard_map manual over every mesh axis "
+            "(axis_names), or pass check_vma=False to it (docs/distributed.md)."
+        )
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 @functools.lru_cache(maxsize=32)
-def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, static: tuple, mods: tuple):
+def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, static: tuple, mods: tuple,
+                  check_vma: bool):
     """`flash_attention` per shard of q's batch and head axes, under jit: jit traces the body
     even when the call is eager, where an eager shard_map would run the backends' host-side
     code op by op on its per-device values (which JAX 0.11 cannot always place on a manual
@@ -286,11 +321,10 @@ def _shard_mapped(mesh, batch_axis, head_axis, names: tuple, in_specs: tuple, st
 
     spec, lse_spec = P(batch_axis, None, head_axis, None), P(batch_axis, head_axis, None)
     out_specs = (spec, lse_spec) if return_lse else spec
-    # check_vma=False: the kernels' interpret mode runs there too (the compiled kernels
-    # would pass JAX's check, `vma.py`). Inputs with a replicated spec (a bias broadcast
-    # over the batch) get their cotangents summed over the devices by shard_map's
-    # transpose, which is what their broadcast means.
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    # Checked as `decode_per_shard` says (then forward only, `_forward_only`). Inputs with a
+    # replicated spec (a bias broadcast over the batch) get their cotangents summed over the
+    # devices by shard_map's transpose, which is what their broadcast means.
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
 
 
 def _with_offsets(mod, is_score_mod: bool, batch_offset, head_offset):

@@ -294,6 +294,75 @@ def test_inside_user_shard_map_on_gpus(request):
                                 head_dim=64, dtype="bfloat16", backends=("triton", "auto"))
 
 
+def check_partly_manual_shard_map(*, seed):
+    """Inside a user's shard_map manual over one axis ("data") of an Explicit (data, model)
+    mesh, the arrays still split along "model" by their type, against the reference:
+
+    * decode_attention with replicated sinks: out, and the sinks' gradient summed over the
+      "data" shards (check_vma=True and False);
+    * flash_attention: the forward under both, its gradient under check_vma=False, and under
+      check_vma=True a NotImplementedError naming check_vma=False (never a wrong gradient);
+    * a score_mod reading `jax.lax.axis_index` (the shard's global batch row) on an Auto
+      mesh: out and the gradients of q and of the table it reads.
+    """
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    q, k, v, sinks = draw(4, 16, 4, 16), draw(4, 24, 4, 16), draw(4, 24, 4, 16), draw(4)
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    split = (*(put(x, P("data", None, "model")) for x in (q, k, v)), put(sinks, P("model")))
+    loss = lambda o: jnp.sum(jnp.sin(o))
+    lengths = jnp.asarray([24, 5, 0, 17], jnp.int32)
+    keys = jnp.arange(24)[None, None, None, :]
+    visible = keys < lengths[:, None, None, None]
+
+    def partly_manual(fn, check_vma, extra=()):
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P("data"),) * 3 + (P(),) + extra, out_specs=P("data"),
+                             axis_names={"data"}, check_vma=check_vma)
+
+    want_step = lambda s: reference.attention(q[:, -1:], k, v, mask=visible, sinks=s)
+    want = lambda s: reference.attention(q, k, v, sinks=s)
+    step_args = (split[0][:, -1:], *split[1:], put(lengths, P("data")))
+    for check_vma in (True, False):
+        step = partly_manual(lambda q, k, v, s, n: flashjax.decode_attention(q, k, v, n, sinks=s), check_vma,
+                             (P("data"),))
+        attend = partly_manual(lambda q, k, v, s: flashjax.flash_attention(q, k, v, sinks=s), check_vma)
+        with jax.set_mesh(mesh):
+            out_step = jax.jit(step)(*step_args)
+            dsinks_step = jax.jit(jax.grad(lambda *a: loss(step(*a)), argnums=3))(*step_args)
+            out = jax.jit(attend)(*split)
+        check_close(out_step, want_step(sinks), jnp.float32, f"decode, check_vma={check_vma}")
+        check_close(dsinks_step, jax.grad(lambda s: loss(want_step(s)))(sinks), jnp.float32,
+                    f"decode dsinks, check_vma={check_vma}")
+        check_close(out, want(sinks), jnp.float32, f"o, check_vma={check_vma}")
+        grad = jax.jit(jax.grad(lambda *a: loss(attend(*a)), argnums=(0, 1, 2, 3)))
+        if check_vma:
+            with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match="check_vma=False"):
+                grad(*split)
+        else:
+            with jax.set_mesh(mesh):
+                got = grad(*split)
+            expected = jax.grad(lambda q, k, v, s: loss(reference.attention(q, k, v, sinks=s)), argnums=range(4))(q, k, v, sinks)
+            for name, g, w in zip(("q", "k", "v", "sinks"), got, expected):
+                check_close(g, w, jnp.float32, f"d{name}, check_vma=False")
+
+    auto = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    table = draw(4) * 3
+    mod = lambda t, offset: lambda s, b, h, i, j: s + t[b + offset()] * (j - i) / 8
+    global_rows = lambda q, t: flashjax.flash_attention(q, q, q, score_mod=mod(t, lambda: jax.lax.axis_index("data") * q.shape[0]))
+    f = jax.shard_map(global_rows, mesh=auto, in_specs=(P("data"), P()), out_specs=P("data"))
+    oracle = lambda q, t: reference.attention(q, q, q, score_mod=mod(t, lambda: 0))
+    check_close(jax.jit(f)(q, table), oracle(q, table), jnp.float32, "axis_index in a score_mod")
+    got = jax.jit(jax.grad(lambda q, t: loss(f(q, t)), argnums=(0, 1)))(q, table)
+    for name, g, w in zip(("q", "table"), got, jax.grad(lambda q, t: loss(oracle(q, t)), argnums=(0, 1))(q, table)):
+        check_close(g, w, jnp.float32, f"d{name}, axis_index in a score_mod")
+
+
+def test_partly_manual_shard_map(request):
+    run_on_devices(__file__, "check_partly_manual_shard_map", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
 def check_mixed_meshes(*, seed):
     """On a mesh of one Explicit and one Auto axis: the ring along either (with the batch
     along the other), sharded_flash_attention along the Auto one, and eager flash_attention
