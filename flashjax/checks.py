@@ -191,7 +191,11 @@ def check_pair_array(name: str, x, shape: tuple[int, ...], *, floating: bool):
 
 
 def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
-    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from one array or a pair; (None, None) without ids."""
+    """(q_ids int32 [B, Tq], kv_ids int32 [B, Tk]) from one array or a pair; (None, None) without ids.
+
+    Ids of a dtype int32 cannot hold (int64 under x64, uint32) whose values are traced or lie
+    outside int32 become their ranks (`_ranks`): the same documents, where a cast would wrap
+    two ids into one."""
     if segment_ids is None:
         return None, None
     if isinstance(segment_ids, (tuple, list)):
@@ -205,17 +209,39 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
                 "pass a pair (q_segment_ids [batch, q_len], kv_segment_ids [batch, kv_len])."
             )
         q_ids = kv_ids = segment_ids
+    fits = True
     for name, ids, length in (("q segment_ids", q_ids, seq_q), ("kv segment_ids", kv_ids, seq_k)):
         if not hasattr(ids, "shape") or tuple(ids.shape) != (batch, length):
             raise ValueError(f"{name} must have shape {(batch, length)}, got {getattr(ids, 'shape', type(ids).__name__)}.")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
-        concrete = isinstance(ids, np.ndarray) or (isinstance(ids, jax.Array) and not isinstance(ids, jax.core.Tracer)
-                                                   and not np.can_cast(ids.dtype, np.int32))
-        if concrete and ids.size and (ids.min() < -(2**31) or ids.max() > MAX_POSITION):
-            # The cast to int32 would wrap them, and two documents could then share an id.
-            raise ValueError(f"{name} must fit int32, got values in [{ids.min()}, {ids.max()}].")
+        if not np.can_cast(ids.dtype, np.int32):
+            concrete = not isinstance(ids, jax.core.Tracer)
+            fits &= concrete and (not ids.size or (int(ids.min()) >= -(2**31) and int(ids.max()) <= MAX_POSITION))
+    if not fits:
+        return _ranks(q_ids, kv_ids)
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+
+
+def _ranks(q_ids, kv_ids):
+    """Each batch row's q and kv ids replaced by their rank among the row's distinct ids (int32):
+    equal ids stay equal, distinct ones distinct, and their order is kept (as the kernels' tile
+    ranges of sorted documents need). Concrete ids are ranked in NumPy (without x64, JAX would
+    take 64-bit ones as int32, wrapping them); traced ones are 64-bit only under x64."""
+    concrete = not isinstance(q_ids, jax.core.Tracer) and not isinstance(kv_ids, jax.core.Tracer)
+    if not concrete and not jax.config.jax_enable_x64:
+        # A NumPy array int32 cannot hold beside a traced (hence int32) one.
+        raise ValueError("segment_ids: a NumPy pair half with values outside int32 beside a traced half; pass both "
+                         "as int32 arrays, or both as NumPy arrays.")
+    xp = np if concrete else jnp
+    both = xp.concatenate([np.asarray(q_ids), np.asarray(kv_ids)] if concrete else [q_ids, kv_ids], axis=1)
+    order = xp.argsort(both, axis=1)
+    ordered = xp.take_along_axis(both, order, axis=1)
+    new = xp.concatenate([xp.zeros_like(ordered[:, :1], bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
+    ranks = xp.cumsum(new, axis=1, dtype=np.int32)
+    # Back to the ids' places: the inverse permutation of `order`.
+    ranks = xp.take_along_axis(ranks, xp.argsort(order, axis=1), axis=1)
+    return jnp.asarray(ranks[:, : q_ids.shape[1]]), jnp.asarray(ranks[:, q_ids.shape[1]:])
 
 
 def _check_vector(name: str, x, size: int, axis: str, kind, what: str):

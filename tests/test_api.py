@@ -142,7 +142,8 @@ def test_unsigned_lengths_past_int32_mean_the_whole_sequence():
 def test_numpy_64_bit_lengths_and_ids():
     """NumPy int64 lengths past int32 clamp (the whole sequence) rather than wrap to 0, and
     negative ones below int32 stay negative (no key) rather than wrap to a positive length;
-    int64 segment ids that int32 cannot hold are refused rather than merged."""
+    int64 segment ids that int32 cannot hold stay distinct documents (not merged by a
+    wrap), eagerly and traced under jit."""
     q = jax.random.normal(jax.random.key(0), (2, T, H, D), jnp.float32)
     got = flashjax.flash_attention(q, q, q, kv_lengths=np.array([2**33, 3], np.int64))
     want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
@@ -152,11 +153,20 @@ def test_numpy_64_bit_lengths_and_ids():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     ids = np.zeros((2, T), np.int64)
     ids[:, T // 2:] = 2**32  # the same id as 0 once wrapped to int32
-    with pytest.raises(ValueError, match="must fit int32"):
-        flashjax.flash_attention(q, q, q, segment_ids=ids)
-    with jax.enable_x64(True):  # the same ids as a JAX array
-        with pytest.raises(ValueError, match="must fit int32"):
-            flashjax.flash_attention(q, q, q, segment_ids=jnp.asarray(ids))
+    ids[1, :3] = -(2**40)
+    small = np.where(ids == 2**32, 2, np.where(ids == 0, 1, 0)).astype(np.int32)  # the same documents
+    want = flashjax.flash_attention(q, q, q, segment_ids=jnp.asarray(small), backend="xla")
+    got = flashjax.flash_attention(q, q, q, segment_ids=ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    with jax.enable_x64(True):  # the same ids as a JAX array, eager and traced
+        for fn in (flashjax.flash_attention, jax.jit(flashjax.flash_attention)):
+            got = fn(q, q, q, segment_ids=jnp.asarray(ids))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        kv_ids = np.where(ids < 0, 2**41, ids)  # a q/kv pair, ranked together: a kv-only document
+        got = jax.jit(lambda q, s: flashjax.flash_attention(q, q, q, segment_ids=s))(q, (jnp.asarray(ids), jnp.asarray(kv_ids)))
+        want_pair = flashjax.flash_attention(q, q, q, segment_ids=(jnp.asarray(small), jnp.asarray(
+            np.where(ids < 0, 3, small))), backend="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want_pair), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["triton", "xla"])
