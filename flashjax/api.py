@@ -192,10 +192,11 @@ def flash_attention(
             kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
             mask_mod=mask_mod, block_mask=block_mask, sinks=sinks, dropout_rate=dropout_rate,
             dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, float32_residual=float32_residual,
-            return_lse=return_lse, backend=backend, config=config,
         )
-        checks.check_qkv(q, k, v, v_head_dim=True)
-        return sharding.run_on_explicit_layout(q, k, v, layout, options)
+        # The arguments checked whole (the shards check theirs again, in their own shapes).
+        _described(q, k, v, options)
+        return sharding.run_on_explicit_layout(q, k, v, layout, options | dict(return_lse=return_lse, backend=backend,
+                                                                                config=config))
     call, extras, params = _prepare(
         q, k, v, causal=causal, scale=scale, bias=bias, mask=mask, segment_ids=segment_ids, q_lengths=q_lengths,
         kv_lengths=kv_lengths, window=window, softcap=softcap, alibi_slopes=alibi_slopes, score_mod=score_mod,
@@ -232,31 +233,48 @@ def explain(q, k, v, *, backend: str = "auto", config=None, **options) -> backen
       q, k, v: as `flash_attention`'s ([batch, q_len, heads, head_dim], [batch, kv_len,
         kv_heads, head_dim], [batch, kv_len, kv_heads, v_head_dim]); arrays or
         ``jax.ShapeDtypeStruct``s.
-      backend, config: as `flash_attention`'s; a named backend that cannot run the call
-        is described with its reasons rather than raised.
+      backend, config: as `flash_attention`'s.
       **options: any other keyword argument of `flash_attention`, arrays or shape structs.
 
     Returns:
       A `flashjax.backends.Choice` (its ``backend`` and ``backward_backend`` fields name them).
+
+    Raises:
+      ValueError: as `flash_attention` does for bad arguments.
+      NotImplementedError: a named backend (or the one ``config`` implies) cannot run the
+        call; the message lists its reasons, as `flash_attention`'s would.
     """
     unknown = sorted(set(options) - set(inspect.signature(flash_attention).parameters))
     if unknown:
         raise TypeError(f"explain() got an unexpected keyword argument {unknown[0]!r} (it takes flash_attention's).")
     options.pop("return_lse", None)
-    arrays = {name: value for name, value in options.items() if _is_array_like(value)}
+    from flashjax import sharding  # imports this module
+
+    call, layout = _described(q, k, v, options), sharding.explicit_layout(q, k, v)
+    if layout is not None:  # the kernels run per shard: the call one device makes
+        call = sharding.shard_call(call, layout)
+    return backends.choose(call, backend, config)
+
+
+def _described(q, k, v, options: dict) -> Call:
+    """The `Call` of `flash_attention`'s arguments (`options`: its keywords that `_prepare`
+    takes), checked as `_prepare` checks them, on the whole arrays, without computing anything
+    (under `jax.eval_shape`: arrays, tracers and shape structs alike)."""
+    # Scalars (a jnp.float32 scale) stay as given: traced, `_prepare` would refuse them.
+    arrays = {name: value for name, value in options.items() if name not in SCALAR_OPTIONS and _is_array_like(value)}
     static = {name: value for name, value in options.items() if name not in arrays}
     described = []
 
     def describe(q, k, v, arrays):
         described.append(_prepare(q, k, v, **arrays, **static)[0])
 
-    jax.eval_shape(describe, q, k, v, arrays)  # checks and describes without computing anything
-    from flashjax import sharding  # imports this module
+    jax.eval_shape(describe, q, k, v, arrays)
+    return described[0]
 
-    call, layout = described[0], sharding.explicit_layout(q, k, v)
-    if layout is not None:  # the kernels run per shard: the call one device makes
-        call = sharding.shard_call(call, layout)
-    return backends.choose(call, backend, config)
+
+# flash_attention's options that are numbers or flags, never arrays streamed into the kernels.
+SCALAR_OPTIONS = frozenset({"causal", "scale", "window", "softcap", "dropout_rate", "broadcast_dropout",
+                            "float32_residual"})
 
 
 def _is_array_like(value) -> bool:
