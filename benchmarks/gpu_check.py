@@ -37,6 +37,7 @@ GROUPS = {
     "multigpu": ["tests/test_ring.py::test_ring_on_gpus", "tests/test_sharding.py::test_sharded_on_gpus",
                  "tests/test_sharding.py::test_explicit_layouts_on_gpus",
                  "tests/test_sharding.py::test_inside_user_shard_map_on_gpus",
+                 "tests/test_sharding.py::test_partly_manual_shard_map_on_gpus",
                  "tests/test_decode.py::test_decode_on_explicit_meshes_on_gpus"],
 }
 

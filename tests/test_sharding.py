@@ -294,7 +294,31 @@ def test_inside_user_shard_map_on_gpus(request):
                                 head_dim=64, dtype="bfloat16", backends=("triton", "auto"))
 
 
-def check_partly_manual_shard_map(*, seed):
+def check_explicit_arguments_checked_whole():
+    """flash_attention on Explicit-mesh arrays checks its arguments on the whole arrays, before
+    the per-shard call: the messages name the user's shapes and options."""
+    P = jax.sharding.PartitionSpec
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    q = jax.device_put(jnp.ones((4, 16, 4, 16), jnp.float32), jax.sharding.NamedSharding(mesh, P("data", None, "model")))
+    cases = [
+        (dict(dropout_rate=0.5), "needs a dropout_rng"),
+        (dict(dropout_rng=3, dropout_rate=0.5), "dropout_rng must be one jax.random key"),
+        (dict(kv_lengths=jnp.ones((3,), jnp.int32)), r"kv_lengths must have shape \(4,\)"),
+        (dict(segment_ids=jnp.ones((4, 15), jnp.int32)), r"must have shape \(4, 16\)"),
+        (dict(bias=jnp.ones((3, 16, 16))), "not broadcastable"),
+        (dict(scale=jnp.float32(0.5)), "static Python number"),
+    ]
+    with jax.set_mesh(mesh):
+        for options, message in cases:
+            with pytest.raises(ValueError, match=message):
+                flashjax.flash_attention(q, q, q, **options)
+
+
+def test_explicit_arguments_checked_whole():
+    run_on_devices(__file__, "check_explicit_arguments_checked_whole")
+
+
+def check_partly_manual_shard_map(*, seed, mesh_shape=(2, 2)):
     """Inside a user's shard_map manual over one axis ("data") of an Explicit (data, model)
     mesh, the arrays still split along "model" by their type, against the reference:
 
@@ -306,7 +330,7 @@ def check_partly_manual_shard_map(*, seed):
       mesh: out and the gradients of q and of the table it reads.
     """
     P = jax.sharding.PartitionSpec
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     rng = np.random.default_rng(seed)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
     q, k, v, sinks = draw(4, 16, 4, 16), draw(4, 24, 4, 16), draw(4, 24, 4, 16), draw(4)
@@ -347,7 +371,7 @@ def check_partly_manual_shard_map(*, seed):
             for name, g, w in zip(("q", "k", "v", "sinks"), got, expected):
                 check_close(g, w, jnp.float32, f"d{name}, check_vma=False")
 
-    auto = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    auto = jax.make_mesh((np.prod(mesh_shape),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     table = draw(4) * 3
     mod = lambda t, offset: lambda s, b, h, i, j: s + t[b + offset()] * (j - i) / 8
     global_rows = lambda q, t: flashjax.flash_attention(q, q, q, score_mod=mod(t, lambda: jax.lax.axis_index("data") * q.shape[0]))
@@ -361,6 +385,15 @@ def check_partly_manual_shard_map(*, seed):
 
 def test_partly_manual_shard_map(request):
     run_on_devices(__file__, "check_partly_manual_shard_map", seed=zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.mark.gpu
+def test_partly_manual_shard_map_on_gpus(request):
+    """As on the CPU devices, with the compiled kernels auto takes, over every visible GPU (an even count)."""
+    gpus = gpus_or_skip("the shards")
+    if gpus % 2:
+        pytest.skip(f"a (gpus / 2, 2) mesh needs an even count of GPUs; {gpus} visible")
+    check_partly_manual_shard_map(seed=zlib.crc32(request.node.nodeid.encode()), mesh_shape=(gpus // 2, 2))
 
 
 def check_mixed_meshes(*, seed):
