@@ -1264,6 +1264,11 @@ def _empty_rows_score_mod(score, b, h, i, j):
     return jnp.where(i % 7 == 3, -jnp.inf, score)
 
 
+def _non_finite_past(seq_q):
+    """A score_mod finite at every query row of a call of `seq_q` rows, -inf and NaN past them."""
+    return lambda score, b, h, i, j: score + jnp.log1p(-i.astype(jnp.float32) / seq_q)
+
+
 def _documents(q_ids, kv_ids):
     return lambda b, h, i, j: q_ids[b, i] == kv_ids[b, j]
 
@@ -1298,6 +1303,9 @@ HOPPER_CASES = {
         block_mask=flashjax.block_mask(mods.chunked(96), 1, 1, s.seq_q, s.seq_k))),
     "causal-mod-long-q": Case(HOPPER_LONG_Q, lambda rng, s: {}, lambda a, s: dict(
         mask_mod=mods.causal(offset=s.seq_k - s.seq_q))),
+    # finite at every query row, -inf / NaN at the kernels' padded rows past q_len
+    "non-finite-past-q-len": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
+        score_mod=_non_finite_past(s.seq_q), causal=True)),
     "per-head-band": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
         mask_mod=lambda b, h, i, j: (i - j <= HOPPER_WIDTHS[h]) & (j - i <= HOPPER_WIDTHS[h]))),
     "per-head-band-integer-abs": Case(HOPPER_CROSS, lambda rng, s: {}, lambda a, s: dict(
@@ -1354,6 +1362,19 @@ def test_mods_on_hopper(case, dtype, rng):
     x = draw(rng, s, dtype, case.q_scale)
     got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")
     assert_matches(got, want, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_non_finite_past_the_query_rows(rng, causal):
+    """A score_mod finite at every query row and non-finite past q_len, where the kernels
+    compute padded rows of the last query tile: the gradients are the reference's (finite),
+    a bias broadcast over the queries included (its gradient sums over the rows)."""
+    s = Shape(batch=2, seq_q=17, seq_k=33, heads=4, kv_heads=2, head_dim=16)
+    bias = dict(bias=jnp.asarray(rng.standard_normal((1, 1, 1, s.seq_k)), jnp.float32))
+    for arrays in ({}, bias):
+        options = lambda a: dict(score_mod=_non_finite_past(s.seq_q), causal=causal, **a)
+        got, want = run_both(draw(rng, s, jnp.float32), options, arrays)
+        assert_matches(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("name, score_mod", [

@@ -88,9 +88,13 @@ def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None
     if masked:
         s_t = common.mask_tile(s_t, t.spec, i * block_q, k_start, transposed=True, kv_length=kv_length, q_seg=q_seg,
                                kv_seg=kv_seg, mask_mod=t.mask_mod, mod=mod)
-    lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+    lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s_t.shape, [1])
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
-    p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lax.broadcast_in_dim(lse, s_t.shape, [1]), 0.0))
+    p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lse, 0.0))
+    if t.score_mod is not None:
+        # Query rows past q_len (lse2 = +inf; their Q and dO are zeros) get P = 0 only from a
+        # finite logit, and a score_mod may be non-finite there (log1p(-q_idx / q_len)).
+        p_t = jnp.where(lse == jnp.inf, 0.0, p_t)
     # Dropout's keep bits, for P^T and dP^T alike.
     keep_t = None if stream is None else common.keep_mask(t, stream, s_t.shape, i * block_q, k_start, transposed=True)
     return p_t, dlogits_t, keep_t
