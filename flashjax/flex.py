@@ -811,8 +811,7 @@ def _with_refs(eqn, ins) -> list:
     if read == "element":
         # dynamic_slice clamps its start into the array: for one element, to [0, dim - 1].
         array = ins[0]
-        index = [lax.clamp(jnp.int32(0), jnp.asarray(i, jnp.int32), jnp.int32(d - 1))  # int32 under x64 too
-                 for i, d in zip(ins[1:], array.shape)]
+        index = [lax.clamp(jnp.int32(0), _index32(i), jnp.int32(d - 1)) for i, d in zip(ins[1:], array.shape)]
         return [array.load(index).reshape((1,) * len(array.shape))]
     if read == "gather":
         return [_point_gather(eqn, ins[0], ins[1])]
@@ -832,6 +831,19 @@ UNREADABLE_HINT = ("Inside the kernels a closed-over array can only be read one 
                    "arrays before the call and close over them.")
 
 
+def _index32(index):
+    """An index as int32 (under x64 too), clamped into int32's range first: a cast would wrap
+    a uint32 or 64-bit index past it (2**32 - 1 to -1), and the clamp into the array that
+    follows would then read the first element where XLA reads the last."""
+    dtype = jnp.dtype(getattr(index, "dtype", np.int32))
+    info = np.iinfo(np.int32)
+    if jnp.issubdtype(dtype, jnp.unsignedinteger) and dtype.itemsize >= 4:
+        index = jnp.minimum(index, np.asarray(info.max, dtype))
+    elif dtype.itemsize > 4:
+        index = jnp.clip(index, np.asarray(info.min, dtype), np.asarray(info.max, dtype))
+    return jnp.asarray(index, jnp.int32)
+
+
 def _is_point_gather(eqn) -> bool:
     """Whether a gather reads single elements: every axis indexed, slices of size 1."""
     dnums = eqn.params["dimension_numbers"]
@@ -847,7 +859,7 @@ def _point_gather(eqn, array: _ConstRef, indices):
     # (and jnp builds a 2-D index as a join of two columns), not lax.slice.
     n = len(dnums.start_index_map)
     parts = [indices] if n == 1 else lax.split(indices, [1] * n, axis=indices.ndim - 1)
-    columns = [jnp.asarray(lax.squeeze(part, (part.ndim - 1,)), jnp.int32) for part in parts]
+    columns = [_index32(lax.squeeze(part, (part.ndim - 1,))) for part in parts]
     raw = [columns[dnums.start_index_map.index(d)] for d in range(len(array.shape))]
     value = array.load([lax.clamp(0, i, d - 1) for i, d in zip(raw, array.shape)])
     if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:

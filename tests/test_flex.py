@@ -1687,6 +1687,7 @@ _ZERO_OR_3 = jnp.asarray([0, 3], jnp.int32)
 _SHIFT_32_OR_2 = jnp.asarray([32, 2], jnp.int32)
 _NEGATIVE_SHIFT = jnp.asarray([-1, 33], jnp.int32)
 _INF = jnp.asarray([jnp.inf, jnp.inf], jnp.float32)
+_RAMP = jnp.linspace(0.0, 1.0, 8)
 _THREES = jnp.asarray([3.0, 7.0], jnp.float32)
 _INT_MIN, _MINUS_ONE = jnp.asarray(np.iinfo(np.int32).min, jnp.int32), jnp.asarray(-1, jnp.int32)
 LOWERING_MODS = [
@@ -1705,6 +1706,8 @@ LOWERING_MODS = [
     pytest.param(lambda b, h, i, j: jnp.clip(i.astype(jnp.float32) * _INF[h], 0.0, 1.0) < 2.0, id="clip-of-nan"),
     pytest.param(lambda b, h, i, j: jnp.floor(i.astype(jnp.float32) / _THREES[h])
                  == jnp.floor(j.astype(jnp.float32) / _THREES[h]), id="float-division-floored"),
+    # a uint32 index below 0 wraps past int32's range: XLA clamps it to the last element
+    pytest.param(lambda b, h, i, j: _RAMP[j.astype(jnp.uint32) - 2] < _RAMP[i % 8], id="uint32-index-past-int32"),
 ]
 
 
