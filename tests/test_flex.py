@@ -549,12 +549,17 @@ _TENS = jnp.arange(8, dtype=jnp.int32) * 10
     pytest.param(lambda b, h, i, j: jnp.sign(i.astype(jnp.float32) * jnp.inf) < 2.0, id="nan-through-sign"),
     pytest.param(lambda b, h, i, j: jnp.remainder(j.astype(jnp.float32) * 0.5, 3.0) > 2.2, id="float-remainder"),
     pytest.param(lambda b, h, i, j: (j.astype(jnp.float32) + 0.25) % 0.5 > 0.1, id="float-remainder-by-half"),
+    # jnp's float floor division is not floor(x / c): 16 // 0.1 is 159, floor(16 / 0.1) 160
+    pytest.param(lambda b, h, i, j: jnp.floor_divide(j.astype(jnp.float32), 0.1) < 160.0, id="float-floor-divide"),
+    pytest.param(lambda b, h, i, j: j.astype(jnp.float32) // 0.3 >= i.astype(jnp.float32) // 7.0,
+                 id="float-floor-divide-both-sides"),
 ])
 def test_block_mask_on_intervals_is_sound_at_the_integer_minimum_and_nan(mask_mod, request):
     """-min and |min| wrap to min in int32, a bound widened by an overflow is not one position
     of a read, 0 * inf gives NaN bounds and NaN values (for which every comparison is false),
-    which a clip or a sign hides inside finite bounds, and a float remainder lies in [0, c),
-    not an integer's [0, c - 1]: none of these calls a tile empty or full that is not, and
+    which a clip or a sign hides inside finite bounds, a float remainder lies in [0, c),
+    not an integer's [0, c - 1], and jnp's float floor division may lie one off floor(x / c):
+    none of these calls a tile empty or full that is not, and
     attention under the mask (with the first key always visible) equals the reference's on
     the dense mask."""
     args = (2, 1, 64, 64, 16, 16)
