@@ -69,12 +69,14 @@ def logits_mask(
 
 
 def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, score_mod=None, rows=None,
-           seq_q: int | None = None):
+           seq_q: int | None = None, allowed=None):
     """The logits [B, H, Tq, Tk] before masking, in float32 (or the inputs' dtype when wider).
 
     ``score_mod(scale * q.k, batch, head, q_idx, kv_idx)`` (in float32), then the softcap,
     then bias and ALiBi. With `rows` (int positions of q's rows among `seq_q` queries) q and `bias` hold
-    those rows only.
+    those rows only. `allowed` (bool, broadcastable to the logits): the pairs that will be
+    masked pass no gradient into score_mod's score, so that a mod whose derivative is
+    non-finite there (s * log(q_idx) at row 0) gives zero gradients, not 0 * inf = NaN.
     """
     batch, n_rows, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
@@ -89,6 +91,8 @@ def scores(q, k, *, scale: float, softcap=None, bias=None, alibi_slopes=None, sc
     if score_mod is not None:
         # score_mod takes float32 scores (as in the kernels), also from float64 inputs.
         score = logits.astype(jnp.float32)
+        if allowed is not None:
+            score = jnp.where(allowed, score, jax.lax.stop_gradient(score))
         logits = flex.elementwise(score_mod, score, *index_grid(batch, heads, positions, seq_k)).astype(dtype)
     return after_score_mod(logits, softcap=softcap, bias=bias, alibi_slopes=alibi_slopes, rows=positions, seq_q=seq_q)
 
@@ -174,11 +178,12 @@ def attention(
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     vf = v.astype(dtype)
     hp = jax.lax.Precision.HIGHEST
-    logits = scores(q, k, scale=scale, softcap=softcap, bias=bias, alibi_slopes=alibi_slopes, score_mod=score_mod)
     allowed = logits_mask(
         batch, seq_q, seq_k, causal=causal, window=window, segment_ids=segment_ids,
         q_lengths=q_lengths, kv_lengths=kv_lengths, mask=mask, mask_mod=mask_mod, heads=heads,
     )
+    logits = scores(q, k, scale=scale, softcap=softcap, bias=bias, alibi_slopes=alibi_slopes, score_mod=score_mod,
+                    allowed=allowed)
     allowed = jnp.broadcast_to(allowed, logits.shape)
     # The logits computed once: fused into each consumer, XLA may contract the scale's product
     # into an FMA with the subtraction below (rounded for the max, unrounded there), and past

@@ -1369,6 +1369,22 @@ def test_mods_on_hopper(case, dtype, rng):
     assert_matches(got, want, dtype)
 
 
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_score_mod_with_a_non_finite_derivative_at_masked_pairs(rng, backend):
+    """s * log(q_idx) has an infinite derivative at row 0, which the mask_mod masks whole: the
+    gradients are zero there and the others those of a mod equal to it at every visible pair
+    and finite everywhere (the reference's too: backend="xla")."""
+    s = Shape(batch=1, seq_q=17, seq_k=33, heads=2, kv_heads=1, head_dim=16)
+    mask_mod = lambda b, h, i, j: i > 0
+    at_visible = lambda score, b, h, i, j: score * jnp.log(jnp.maximum(i, 1).astype(jnp.float32))
+    x = draw(rng, s, jnp.float32)
+    got, _ = run_both(x, lambda a: dict(score_mod=lambda score, b, h, i, j: score * jnp.log(i.astype(jnp.float32)),
+                                        mask_mod=mask_mod), backend=backend,
+                    config=SMALL_TILES if backend == "triton" else None)
+    _, want = run_both(x, lambda a: dict(score_mod=at_visible, mask_mod=mask_mod))
+    assert_matches(got, want, jnp.float32)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_score_mod_non_finite_past_the_query_rows(rng, causal):
     """A score_mod finite at every query row and non-finite past q_len, where the kernels
