@@ -231,8 +231,8 @@ def _ranks(q_ids, kv_ids):
     concrete = not isinstance(q_ids, jax.core.Tracer) and not isinstance(kv_ids, jax.core.Tracer)
     if not concrete and not jax.config.jax_enable_x64:
         # A NumPy array int32 cannot hold beside a traced (hence int32) one.
-        raise ValueError("segment_ids: a NumPy pair half with values outside int32 beside a traced half; pass both "
-                         "as int32 arrays, or both as NumPy arrays.")
+        raise ValueError("segment_ids: one of the pair is a NumPy array with ids outside int32 and the other traced "
+                         "(int32 without x64); pass both as NumPy arrays, or ids that fit int32.")
     xp = np if concrete else jnp
     both = xp.concatenate([np.asarray(q_ids), np.asarray(kv_ids)] if concrete else [q_ids, kv_ids], axis=1)
     order = xp.argsort(both, axis=1)

@@ -93,7 +93,7 @@ def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lse, 0.0))
     if t.score_mod is not None:
         # Query rows past q_len (lse2 = +inf; their Q and dO are zeros) get P = 0 only from a
-        # finite logit, and a score_mod may be non-finite there (log1p(-q_idx / q_len)).
+        # finite logit, and a score_mod may be non-finite there (log(1 - q_idx / q_len)).
         p_t = jnp.where(lse == jnp.inf, 0.0, p_t)
     # Dropout's keep bits, for P^T and dP^T alike.
     keep_t = None if stream is None else common.keep_mask(t, stream, s_t.shape, i * block_q, k_start, transposed=True)

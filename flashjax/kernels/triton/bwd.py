@@ -70,7 +70,7 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     if kv_length is not None or scorer.score_mod is not None or bias is not None:
         # Padded query rows (lse2 = +inf: rows past q_len, or past a length) are computed too;
         # P = exp2(S - inf) is 0 only when S is finite, and their q may hold anything with
-        # lengths, a score_mod may be non-finite past q_len (log1p(-i / q_len)), and their
+        # lengths, a score_mod may be non-finite past q_len (log(1 - q_idx / q_len)), and their
         # bias tile entries are padding.
         live = lse != jnp.inf
         p_dropped, ds = jnp.where(live, p_dropped, 0.0), jnp.where(live, ds, 0.0)
