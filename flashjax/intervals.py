@@ -207,8 +207,15 @@ def _divide(a: Num, b: Num, floor: bool) -> Num:
         op = jnp.floor_divide if floor else lax.div
         # min // -1 wraps to min: widened to the whole range, as a sum that wraps.
         return _no_overflow(_corners(op, a, b), jnp.divide, a, b)
-    op = (lambda x, y: jnp.floor(x / y)) if floor else (lambda x, y: x / y)
-    return _corners(op, a, b)
+    if not floor:
+        return _corners(lambda x, y: x / y, a, b)
+    # jnp's float floor division floors (x - fmod(x, c)) / c, which can lie one either side
+    # of floor(x / c) when x / c rounds across an integer (16 // 0.1 is 159, floor(16 / 0.1)
+    # 160), or a few of its ulps off where those exceed 1.
+    quotient = _corners(lambda x, y: jnp.floor(x / y), a, b)
+    slack = lambda q: 1.0 + jnp.abs(q) * 2.0**-20
+    return dataclasses.replace(quotient, lo=quotient.lo - slack(quotient.lo), hi=quotient.hi + slack(quotient.hi),
+                               const=None)
 
 
 def _known(v: Num):
@@ -457,17 +464,7 @@ def _call(eqn, inner, ins, tables):
         a, b = (_as_num(v) for v in ins)
         c = _known(b)
         if c is not None and np.all(c > 0):
-            if name == "remainder":
-                return _modulo(a, b, floor=True)
-            quotient = _divide(a, b, floor=True)
-            if jnp.issubdtype(jnp.result_type(a.lo), jnp.floating):
-                # jnp floors (x - fmod(x, c)) / c, which can lie one either side of floor(x / c)
-                # when x / c rounds across an integer (16 // 0.1 is 159, floor(16 / 0.1) 160),
-                # or a few of its ulps off where those exceed 1.
-                slack = lambda q: 1.0 + jnp.abs(q) * 2.0**-20
-                quotient = dataclasses.replace(quotient, lo=quotient.lo - slack(quotient.lo),
-                                               hi=quotient.hi + slack(quotient.hi), const=None)
-            return quotient
+            return _divide(a, b, floor=True) if name == "floor_divide" else _modulo(a, b, floor=True)
     jaxpr, consts = inner
     return tuple(_evaluate(jaxpr, [*map(_const, consts), *ins], tables))
 
