@@ -69,8 +69,8 @@ def _load_query_tile(gmem, smem, ready, slot, b, h, rows):
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_ready.at[slot])
 
 
-def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None, kv_length=None, q_seg=None,
-             kv_seg=None, stream=None, bias_t=None, mod=None):
+def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, padded_rows: bool, slope=None, kv_length=None,
+             q_seg=None, kv_seg=None, stream=None, bias_t=None, mod=None):
     """P^T of query tile i against the key tile from S^T = K Q^T (float32 [block_kv, block_q],
     keys [k_start, ...)): the logits, the mask on boundary tiles, exp2 against the lse in ring
     `slot` (smem as `_dv_and_ds` takes it). Returns (P^T, d logits / d s for `_ds_t` (None
@@ -80,7 +80,8 @@ def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None
     ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
     tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
     `mod` the query head's `common.ModInputs` (with score_mod or mask_mod), `stream` the
-    query head's dropout stream."""
+    query head's dropout stream. `padded_rows`: the query arrays extend past the true q_len
+    (static)."""
     lse_smem = smem[4]
     block_q = smem[2].shape[1]
     s_t, dlogits_t = common.logits(s_t, t, slope=slope, q_start=i * block_q, k_start=k_start, transposed=True,
@@ -91,9 +92,10 @@ def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, slope=None
     lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)), s_t.shape, [1])
     # Capped at 1: with huge logits the recomputed S can exceed the lse by rounding.
     p_t = jnp.exp2(jnp.minimum(s_t * t.exp2_scale - lse, 0.0))
-    if t.score_mod is not None:
+    if t.score_mod is not None and padded_rows:
         # Query rows past q_len (lse2 = +inf; their Q and dO are zeros) get P = 0 only from a
         # finite logit, and a score_mod may be non-finite there (log(1 - q_idx / q_len)).
+        # A q_len that fills the tiles has no such rows, and its steps skip the select.
         p_t = jnp.where(lse == jnp.inf, 0.0, p_t)
     # Dropout's keep bits, for P^T and dP^T alike.
     keep_t = None if stream is None else common.keep_mask(t, stream, s_t.shape, i * block_q, k_start, transposed=True)
@@ -288,8 +290,8 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                 q_seg = common.segment_vector(q_seg_smem.at[slot], 1) if t.segments and masked else None
                 bias_t = None if bias_smem is None else common.bias_tile_transposed(bias_smem, bias_ready, slot, tile,
                                                                                      block_kv)
-                scoring = dict(k_start=k_start, masked=masked, t=t, slope=slope, kv_length=kv_length, q_seg=q_seg,
-                               kv_seg=kv_seg, stream=stream, bias_t=bias_t, mod=mod)
+                scoring = dict(k_start=k_start, masked=masked, t=t, padded_rows=q_len != t.spec.seq_q, slope=slope,
+                               kv_length=kv_length, q_seg=q_seg, kv_seg=kv_seg, stream=stream, bias_t=bias_t, mod=mod)
                 if role == "dv":
                     carry = _dv_and_pd(carry, i, slot, smem, pd_smem, pd_ready, **scoring)
                 elif dp_with_s:

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from flashjax import dropout, flex, masks
+from flashjax import dropout, flex, masks, xla_semantics
 from flashjax.kernels.common import LOG2E
 from flashjax.vma import out_types
 from flashjax.masks import BlockRange, MaskSpec
@@ -537,10 +537,9 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
                                shape=s.shape, lowering="mosaic")
         s, dlogits = out if grad else (out, None)
     if t.softcap is not None:
-        # tanh from exp2 (accurate to float32 rounding; the approximate tanh instruction is
-        # off by ~1e-3 relative, which the softcap would multiply into the logits).
-        x = s * ((1.0 if t.score_mod is not None else t.scale) / t.softcap)
-        tanh = 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
+        # tanh from exp2 (the approximate tanh instruction is off by ~1e-3 relative, which
+        # the softcap would multiply into the logits).
+        tanh = xla_semantics.tanh_from_exp2(s * ((1.0 if t.score_mod is not None else t.scale) / t.softcap))
         s = tanh * t.softcap
         if grad:
             dlogits = 1.0 - tanh * tanh if dlogits is None else dlogits * (1.0 - tanh * tanh)

@@ -35,15 +35,16 @@ from flashjax.vma import out_types
 
 
 def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, masked, precision,
-                      transposed=False, bias=None, slope=None, kv_length=None, q_seg=None, kv_seg=None,
-                      dense=None, drop_base=None, mod=None):
+                      padded_rows: bool, transposed=False, bias=None, slope=None, kv_length=None, q_seg=None,
+                      kv_seg=None, dense=None, drop_base=None, mod=None):
     """Recomputes a tile and returns (P with dropout applied, dS w.r.t. the logits, what
     `Scorer.logit_grad` needs to take dS back to the scores).
 
     dS = P * (dP - delta), where dP = dO V^T passes back through dropout's mask and
     scaling. With `transposed` the tile is computed as [block_k, block_q] (S^T = K Q^T,
     dP^T = V dO^T): the dK/dV kernel then multiplies P^T and dS^T as left operands
-    without a register transpose; rows must be [1, bq] and cols [bk, 1].
+    without a register transpose; rows must be [1, bq] and cols [bk, 1]. `padded_rows`: the
+    kernel's query arrays extend past the true q_len (static).
     """
     if transposed:
         qk = scoring.dot(k, q, trans_b=True, precision=precision)
@@ -67,11 +68,12 @@ def _tile_grad_logits(scorer: Scorer, q, k, v, do, lse, delta, rows, cols, *, ma
     else:
         p_dropped = p
     ds = p * (dp - delta)
-    if kv_length is not None or scorer.score_mod is not None or bias is not None:
+    if kv_length is not None or (padded_rows and (scorer.score_mod is not None or bias is not None)):
         # Padded query rows (lse2 = +inf: rows past q_len, or past a length) are computed too;
         # P = exp2(S - inf) is 0 only when S is finite, and their q may hold anything with
         # lengths, a score_mod may be non-finite past q_len (log(1 - q_idx / q_len)), and their
-        # bias tile entries are padding.
+        # bias tile entries are padding. Without lengths, calls whose q_len fills the tiles
+        # have no such rows and skip the selects.
         live = lse != jnp.inf
         p_dropped, ds = jnp.where(live, p_dropped, 0.0), jnp.where(live, ds, 0.0)
     return p_dropped, ds, chain
@@ -117,7 +119,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
             rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
             p, ds, chain = _tile_grad_logits(
                 scorer, q, k, v, do, lse_ref[g, tile], delta_ref[g, tile], rows, cols,
-                masked=masked, precision=precision, transposed=True,
+                masked=masked, precision=precision, padded_rows=seq_q != spec.seq_q, transposed=True,
                 bias=scoring.pair_tile(x.bias, (g,), tile, None) if x.bias is not None else None,
                 slope=slope, kv_length=kv_length,
                 q_seg=x.q_segment_ids[tile] if x.q_segment_ids is not None else None, kv_seg=kv_seg,
@@ -147,7 +149,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_ref, *,
-               scorer: Scorer, block_k: int, heads: int):
+               scorer: Scorer, block_k: int, heads: int, padded_rows: bool):
     block_q, head_dim = q_ref.shape
     num_k_blocks = k_ref.shape[0] // block_k
     spec = scorer.spec
@@ -165,7 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
         v = v_ref[tile, :]
         cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
         _, ds, chain = _tile_grad_logits(
-            scorer, q, k, v, do, lse, delta, rows, cols, masked=masked, precision=precision,
+            scorer, q, k, v, do, lse, delta, rows, cols, masked=masked, precision=precision, padded_rows=padded_rows,
             bias=scoring.pair_tile(x.bias, (), None, tile) if x.bias is not None else None,
             slope=slope, kv_length=kv_length, q_seg=q_seg,
             kv_seg=x.kv_segment_ids[tile] if x.kv_segment_ids is not None else None,
@@ -218,7 +220,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, db
         _, ds, _ = _tile_grad_logits(
             scorer, q_ref[b, q_tile, h, :], k_ref[b, k_tile, kv_head, :], v_ref[b, k_tile, kv_head, :],
             do_ref[b, q_tile, h, :], lse_ref[b, h, q_tile], delta_ref[b, h, q_tile], rows, cols,
-            masked=True, precision=precision,
+            masked=True, precision=precision, padded_rows=seq_q != scorer.spec.seq_q,
             bias=scoring.pair_tile(x.bias, (b, h), q_tile, k_tile),
             slope=x.alibi_slopes[h] if x.alibi_slopes is not None else None,
             kv_length=_kv_length(x.ranges, b, qi),
@@ -339,7 +341,7 @@ def backward(q, k, v, do, lse2, delta, x_dkv: Extras, x_dq: Extras, *, scorer: S
     v_whole = pl.BlockSpec((None, seq_k, None, v_head_dim), lambda i, b, h: (b, 0, h // group, 0))
     stats_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, num_q_blocks - 1 - i))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scorer=scorer, block_k=bk, heads=heads),
+        functools.partial(_dq_kernel, scorer=scorer, block_k=bk, heads=heads, padded_rows=seq_q != scorer.spec.seq_q),
         grid=(num_q_blocks, batch, heads),
         in_specs=[q_tile, kv_whole, v_whole, do_tile, stats_tile, stats_tile,
                   extra_specs(x_dq, block_q=bq, seq_k=seq_k, num_q_blocks=num_q_blocks)],
