@@ -366,6 +366,21 @@ def test_nnx_decode_prefill_chunk_then_tokens(cache_dtype, key, assert_close, mo
         m(x[..., :1, :], decode=True)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_refuses_a_prompt_chunk_without_causal(paged, key, assert_close):
+    """A module built as Flax's are (causality from a training mask, causal=False) takes one
+    position per decode call, each seeing the filled cache (= the causal output); a chunk
+    of several positions would see its own later positions, so it is refused, naming causal=True."""
+    x = jax.random.normal(key, (2, SEQ, FEATURES))
+    m = fj_nnx.FlashMultiHeadAttention(num_heads=HEADS, in_features=FEATURES, num_kv_heads=2, rngs=nnx.Rngs(0))
+    full = m(x, mask=nnx.make_causal_mask(x[..., 0]))
+    m.init_cache(x.shape, **({"page_size": 4} if paged else {}))
+    with pytest.raises(ValueError, match="causal=True"):
+        m(x[:, :3], decode=True)
+    got = jnp.concatenate([m(x[:, t:t + 1], decode=True) for t in range(SEQ)], axis=1)
+    assert_close(got, full, jnp.float32, "one position per call vs the causal mask", tol=OUT_TOL)
+
+
 def test_decode_leaves_a_named_backend_it_cannot_use_to_auto(key, monkeypatch):
     """A module built with backend="mosaic" (the Hopper kernels, for training) on an H100:
     decode steps the Hopper decode path can run use it, and those it cannot (a causal prompt
@@ -469,6 +484,12 @@ def test_sow_weights_raises(key):
     _, ours = _nnx_pair(key)
     with pytest.raises(NotImplementedError, match="sow"):
         ours(x, sow_weights=True)
+    # Our linen module takes the argument as Flax's does: False runs, True raises.
+    linen_ours = fj_linen.FlashMultiHeadAttention(num_heads=HEADS)
+    linen_params = linen_ours.init(key, x)
+    assert linen_ours.apply(linen_params, x, sow_weights=False).shape == x.shape
+    with pytest.raises(NotImplementedError, match="sow"):
+        linen_ours.apply(linen_params, x, sow_weights=True)
 
 
 def test_misused_arguments_raise_as_in_flax(key):

@@ -3,7 +3,7 @@
 One-line change in an existing model::
 
   nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=flashjax.flax.attention_fn)   # linen
-  nnx.MultiHeadAttention(num_heads=8, in_features=512, rngs=rngs,
+  nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False, rngs=rngs,
                          attention_fn=flashjax.flax.attention_fn)                        # nnx
 
 Modules of our own, with grouped-query attention and a KV cache of kv heads:

@@ -204,9 +204,11 @@ def _attention_fn(
         # filled slots in the mask. The window is aligned to the arrays' ends, not to that
         # index, which this function is not given: it would cover the empty last slots.
         raise ValueError(
-            f"window={window} with a mask and q_len {seq_q} < kv_len {seq_k} (Flax's KV-cache decoding): the window "
-            "is aligned to the arrays' ends, not to the query's position in the cache, which attention_fn is not "
-            "given. Put the window in the mask for decoding (or use flashjax.decode_attention with window=)."
+            f"window={window} with a mask and q_len {seq_q} < kv_len {seq_k}, as in Flax's KV-cache decoding: the "
+            "window is aligned to the arrays' ends, not to the query's position in the cache, which attention_fn is "
+            "not given. For decoding, put the window in the mask (or use flashjax.decode_attention with window=); "
+            "for another call of these shapes, call flashjax.flash_attention(q, k, v, window=..., mask=...), whose "
+            "window is aligned to the keys' end (query i at key position i + kv_len - q_len)."
         )
     if mask is not None and mask.dtype != jnp.bool_:
         mask = mask != 0  # Flax's jnp.where(mask, ...) reads nonzero as "attend"

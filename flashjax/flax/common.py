@@ -107,8 +107,9 @@ def decode_step(module, query, cached_key, cached_value, kv_length, page_table=N
     head_dim]``, or paged ``[num_pages, page_size, kv_heads, head_dim]`` with ``page_table``
     ``[batch, pages_per_seq]``, already holding this step's K/V; ``kv_length``: filled
     slots (a scalar).
-    Query ``i`` sits at position ``kv_length - steps + i``; with ``module.causal`` it sees
-    the keys up to its own position, without it every filled key. The query is cast to
+    Query ``i`` sits at position ``kv_length - steps + i`` and sees the keys up to its own
+    position: a chunk of several positions needs ``module.causal`` (without it, one
+    position per call, which sees every filled key). The query is cast to
     the cache's dtype (the cache is read in place, never converted) and the output to
     ``module.dtype`` (default: the query's dtype).
 
@@ -116,6 +117,14 @@ def decode_step(module, query, cached_key, cached_value, kv_length, page_table=N
       ``[batch..., steps, heads, head_dim]``.
     """
     *batch_dims, steps, heads, head_dim = query.shape
+    if steps > 1 and not module.causal:
+        # Flax's own modules take one position per decode call, their causality coming from
+        # the training mask: a chunk here would see its own later positions, silently.
+        raise ValueError(
+            f"decode with a prompt chunk of {steps} positions needs a module built with causal=True "
+            "(without it every position of the chunk would attend to the chunk's later ones); "
+            "build it with causal=True, or feed one position per call."
+        )
     out_dtype = module.dtype or query.dtype
     q = query.reshape(-1, steps, heads, head_dim).astype(cached_key.dtype)
     if page_table is None:

@@ -33,7 +33,7 @@ class FlashMultiHeadAttention(nn.Module):
     Decoding (as with Flax): ``decode=True``; ``init`` with a full-length input
     creates the cache (``cached_key``/``cached_value`` hold ``num_kv_heads``
     heads), then ``apply(..., mutable=["cache"])`` with new positions ``[batch,
-    steps, features]``: one token per step, or a prompt chunk at once. Without a
+    steps, features]``: one token per step, or (``causal=True``) a prompt chunk at once. Without a
     mask, bias or dropout a step is `flashjax.decode_attention` (split-KV over the
     cache, read in place in its dtype); with one of them it is one position per call.
 
@@ -48,7 +48,8 @@ class FlashMultiHeadAttention(nn.Module):
       broadcast_dropout: one dropout mask across batch and heads (Flax's default).
       deterministic: default for the call's ``deterministic``.
       qk_norm: RMSNorm over ``head_dim`` on queries and keys (learned scale shared
-        by heads), as in ViT-22B / Gemma; params ``query_norm``, ``key_norm``.
+        by heads), as in Gemma 3 (ViT-22B and Flax's ``normalize_qk`` use LayerNorm); params
+        ``query_norm``, ``key_norm``.
       dtype, param_dtype: computation and parameter dtypes.
       kernel_init, bias_init, use_bias: as in Flax.
       decode: autoregressive decoding with a KV cache.
@@ -81,7 +82,7 @@ class FlashMultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, bias=None,
-                 deterministic: bool | None = None, dropout_rng=None):
+                 deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False):
         """Attention of ``inputs_q`` over ``inputs_k``/``inputs_v`` (self-attention if omitted).
 
         Args:
@@ -92,10 +93,15 @@ class FlashMultiHeadAttention(nn.Module):
           bias: additive, broadcastable to ``[batch..., heads, q_len, kv_len]``.
           deterministic: disables dropout; merged with the attribute.
           dropout_rng: key for dropout; defaults to ``make_rng("dropout")``.
+          sow_weights: accepted as False only (as `nn.MultiHeadDotProductAttention` takes
+            it): the weights are never materialised.
 
         Returns:
           ``[batch..., q_len, out_features]``.
         """
+        if sow_weights:
+            raise NotImplementedError("flashjax never materialises the attention weights, so they cannot be sown "
+                                      "(sow_weights=True); use nn.MultiHeadDotProductAttention for the layers to inspect.")
         inputs_q, inputs_k, inputs_v = default_inputs(inputs_q, inputs_k, inputs_v)
         kv_heads = self.num_kv_heads or self.num_heads
         head_dim = head_dim_of(self.num_heads, kv_heads, self.head_dim, self.qkv_features or inputs_q.shape[-1])

@@ -30,7 +30,7 @@ class FlashMultiHeadAttention(nnx.Module):
       y = layer(jnp.ones((4, 256, 512)))               # [4, 256, 512]
 
       layer.init_cache((4, 256, 512))                  # decoding: the cache holds kv heads
-      y_t = layer(jnp.ones((4, 1, 512)), decode=True)  # one token (or a prompt chunk) per call
+      y_t = layer(jnp.ones((4, 1, 512)), decode=True)  # one token (or, causal, a prompt chunk) per call
 
     Args:
       num_heads: query heads.
@@ -185,8 +185,8 @@ class FlashMultiHeadAttention(nnx.Module):
           deterministic: disables dropout; overrides the attribute.
           rngs: `nnx.Rngs` or a stream for dropout; defaults to ``self.rngs``.
           decode: new positions ``[batch..., steps, features]`` through the KV cache
-            (``init_cache`` first; one token per step, or a prompt chunk at once; a mask,
-            bias or dropout allows one position per call). Without a mask, bias or
+            (``init_cache`` first; one token per step, or with ``causal=True`` a prompt
+            chunk at once; a mask, bias or dropout allows one position per call). Without a mask, bias or
             dropout this is `flashjax.decode_attention` (split-KV over the cache, read in
             place in its dtype: give ``init_cache(..., dtype=)`` the compute dtype).
             Overrides the attribute.
