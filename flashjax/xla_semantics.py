@@ -27,9 +27,10 @@ LOG2E = math.log2(math.e)
 def tanh_from_exp2(x):
     """tanh as ``1 - 2 / (2**(2 x log2(e)) + 1)``: one exp2 and one division, the Hopper kernels'
     tanh (the built-in softcap's, and a mod's on Mosaic, whose approximate tanh instruction is
-    ~1e-3 off relative). Within 2e-7 absolute of tanh (float32; 5 ulps where |x| >= 0.5); near 0
-    the absolute error stays but the relative one grows (tanh(1e-3) is off by up to ~1e-4 of itself):
-    a logit is off by the factor the mod multiplies the tanh by (the cap) times 2e-7.
+    ~1e-3 off relative). Within 2e-7 absolute of tanh with exp2 and division rounded to the
+    nearest, ~6e-7 with the GPU's approximate ones; near 0 the absolute error stays but the
+    relative one grows (tanh(1e-3) is off by up to ~1e-4 of itself): a logit is off by the
+    factor the mod multiplies the tanh by (the cap) times that.
     Odd up to that rounding, +-1 past |x| ~ 9, NaN for NaN."""
     return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
 
@@ -64,7 +65,7 @@ def evaluate(eqn, ins, params, lowering: str) -> list | None:
     * the sign of a float: NaN for NaN and the zero itself for a zero (Mosaic gives +-1 for
       NaN);
     * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
-      relative): `tanh_from_exp2`, as the Hopper kernels' built-in softcap, within 2e-7
+      relative): `tanh_from_exp2`, as the Hopper kernels' built-in softcap, within ~6e-7
       absolute (a relatively exact form near 0, a series beside it, measured 1.17-1.27x
       the built-in softcap's time against 1.02-1.10x, H200).
     """
