@@ -217,7 +217,10 @@ def check_segment_ids(segment_ids, batch: int, seq_q: int, seq_k: int):
             raise ValueError(f"{name} must be integers, got dtype {ids.dtype}.")
         if not np.can_cast(ids.dtype, np.int32):
             concrete = not isinstance(ids, jax.core.Tracer)
-            fits &= concrete and (not ids.size or (int(ids.min()) >= -(2**31) and int(ids.max()) <= MAX_POSITION))
+            # In NumPy: a concrete array closed over by a jitted function would give traced
+            # min / max under jit.
+            values = np.asarray(ids) if concrete else None
+            fits &= concrete and (not ids.size or (int(values.min()) >= -(2**31) and int(values.max()) <= MAX_POSITION))
     if not fits:
         return _ranks(q_ids, kv_ids)
     return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)

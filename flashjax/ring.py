@@ -4,8 +4,10 @@ Each of the N devices on the mesh axis ``axis_name`` keeps its shard of the quer
 and, in N steps, sees every shard of the keys and values: at each step it attends
 its queries to the K/V block it holds (flash attention, with the logsumexp) while
 that block travels on to the next device with `jax.lax.ppermute`. The partial
-outputs are merged exactly through their logsumexps (the FlashAttention-2 online
-softmax, one level up)::
+outputs are merged through their logsumexps (the FlashAttention-2 online softmax, one
+level up; exact up to the rounding of the lse: at logits of magnitude L the weights
+carry a relative error of about L * 2**-24, 6e-5 at L = 1e3 in float32, which a single
+call does not have)::
 
     lse = logsumexp_s lse_s,    o = sum_s exp(lse_s - lse) * o_s
 
@@ -196,8 +198,8 @@ def ring_attention(
         work); with ``False`` it is in natural order (device r holds the r-th
         contiguous shard and the last device does N times the work of the first).
         Without ``causal`` the layout does not matter and this is ignored.
-      return_lse: also return the logsumexp [batch, heads, seq] (float32, natural
-        log), in the same sequence layout as the output.
+      return_lse: also return the logsumexp [batch, heads, seq] (float32, float64 for
+        float64 inputs; natural log), in the same sequence layout as the output.
       batch_axis, head_axis: optional further mesh axes (names or tuples of names)
         for the batch and head dimensions (data/head parallelism on top of the
         ring); kv_heads must be divisible by the head axis size too.
@@ -223,8 +225,10 @@ def ring_attention(
         block call builds its mask_mod's block mask (no ``block_mask`` argument).
 
     Returns:
-      The output [batch, seq, heads, head_dim] in q's dtype, sharded like q (and
-      the lse [batch, heads, seq] with ``return_lse=True``).
+      The output [batch, seq, heads, head_dim] in q's dtype (and the lse [batch, heads,
+      seq] with ``return_lse=True``). On a mesh of Explicit axes the output is typed
+      (laid out) as q is; elsewhere it is laid out as the ring computes it: batch,
+      sequence and heads split over ``batch_axis``, ``axis_name`` and ``head_axis``.
 
     Raises:
       ValueError: for inconsistent shapes (of segment_ids too), unknown mesh axes,
@@ -232,6 +236,9 @@ def ring_attention(
       NotImplementedError: when the named backend cannot run the block calls.
     """
     checks.check_qkv(q, k, v)
+    if jnp.issubdtype(q.dtype, jnp.complexfloating):
+        raise ValueError(f"ring_attention takes real floating inputs (its merge weighs partials by real "
+                         f"logsumexps); got {q.dtype}: use flashjax.flash_attention(..., backend='xla').")
     q_ids, kv_ids = checks.check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
     segments = None if q_ids is None else (q_ids, kv_ids)
     return_lse = checks.check_bool("return_lse", return_lse)
@@ -244,6 +251,7 @@ def ring_attention(
         # Sinks laid out along the heads as the lse is (on an Explicit mesh a sinks array split
         # over another axis would not combine with it).
         o, lse = fold_sinks(o, lse, _place(ring, sinks, P(ring.head_axis)))
+    o = _typed_like(ring, o, q)  # on an Explicit mesh, q's type (a residual x + o keeps x's)
     return (o, lse) if return_lse else o
 
 
@@ -417,7 +425,7 @@ def _extras(ring: _Ring, seg, mods, position) -> Extras:
 
 
 def _block_forward(ring: _Ring, q, k, v, causal: bool, seg, mods=None, position=None):
-    """(o [B, Tq, H, D] float32, lse [B, H, Tq]) of q attending one K/V block.
+    """(o [B, Tq, H, D], lse [B, H, Tq]), both `_accumulated`, of q attending one K/V block.
 
     ``seg``: None or (q_ids [B, Tq], kv_ids [B, Tk]) of exactly these queries and keys;
     ``mods``: None or the user's (score_consts, mask_consts), with the block's ``position``
@@ -426,11 +434,11 @@ def _block_forward(ring: _Ring, q, k, v, causal: bool, seg, mods=None, position=
     params = ring.params(causal)
     forward = functools.partial(backends.get(params.backend).forward, params=params, config=params.config)
     o, lse = autodiff.first_order_only(forward, params.backend)(q, k, v, _extras(ring, seg, mods, position))
-    return o.astype(jnp.float32), lse
+    return o.astype(_accumulated(q)), lse.astype(_accumulated(q))
 
 
 def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg, mods=None, position=None):
-    """This block's share of (dq, dk, dv), float32, given the *global* o and lse, and of the
+    """This block's share of (dq, dk, dv), `_accumulated`, given the *global* o and lse, and of the
     gradients of the score_mod's float closed-over arrays (`_const_grads`)."""
     params = ring.params(causal)
     backward = functools.partial(backends.get(params.backward_backend).backward, params=params,
@@ -443,16 +451,23 @@ def _block_backward(ring: _Ring, q, k, v, o, lse, do, dlse, causal: bool, seg, m
         if grads is not None and ring.score_slot is not None:
             grads = grads[:ring.score_slot] + grads[ring.score_slot + 1:]  # the position map's (an int)
         dconsts = _const_grads(mods[0], grads)
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), dconsts
+    acc = _accumulated(q)
+    return dq.astype(acc), dk.astype(acc), dv.astype(acc), dconsts
+
+
+def _accumulated(x):
+    """The dtype the ring accumulates x's partials in: float32, or x's own where it is wider
+    (float64)."""
+    return jnp.promote_types(x.dtype, jnp.float32)
 
 
 def _const_grads(consts, grads=None):
-    """Float32 gradients of a score_mod's float closed-over arrays (zeros where `grads` has
-    none), None for the others: the same structure from every branch of a step."""
+    """Gradients of a score_mod's float closed-over arrays (float32 or wider, zeros where
+    `grads` has none), None for the others: the same structure from every branch of a step."""
     grads = grads or (None,) * len(consts)
     return tuple(
         None if not jnp.issubdtype(c.dtype, jnp.floating) else
-        (jnp.zeros(c.shape, jnp.float32) if g is None else g.astype(jnp.float32))
+        (jnp.zeros(c.shape, _accumulated(c)) if g is None else g.astype(_accumulated(c)))
         for c, g in zip(consts, grads)
     )
 
@@ -490,7 +505,7 @@ def _step_forward(ring: _Ring, step: int, q, k, v, seg, mods=None):
         return _block_forward(ring, q, k, v, True, seg, mods, at("all", "all"))
     if not ring.zigzag:
         # A whole earlier block is visible; a later one is invisible: no kernel call at all.
-        empty = lambda: (jnp.zeros(q.shape, jnp.float32), jnp.full(_lse_shape(q), -jnp.inf, jnp.float32))
+        empty = lambda: (jnp.zeros(q.shape, _accumulated(q)), jnp.full(_lse_shape(q), -jnp.inf, _accumulated(q)))
         full = lambda: _block_forward(ring, q, k, v, False, seg, mods, at("all", "all"))
         return jax.lax.cond(_visible_earlier(ring, step), full, empty)
     c = q.shape[1] // 2
@@ -515,7 +530,7 @@ def _step_backward(ring: _Ring, step: int, q, k, v, seg, o, lse, do, dlse, mods=
         return _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg, mods, at("all", "all"))
     if step == 0:
         return _block_backward(ring, q, k, v, o, lse, do, dlse, True, seg, mods, at("all", "all"))
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    zeros = lambda x: jnp.zeros(x.shape, _accumulated(q))
     no_consts = None if mods is None else _const_grads(mods[0])
     if not ring.zigzag:
         full = lambda: _block_backward(ring, q, k, v, o, lse, do, dlse, False, seg, mods, at("all", "all"))
@@ -586,7 +601,7 @@ def _local_backward(ring: _Ring, q, k, v, segments, o, lse, do, dlse, score_cons
     q_ids, kv_ids = _split(segments)
     mods = (score_consts, mask_consts) if ring.has_mods else None
     held = (k, v, kv_ids)
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = jnp.zeros(q.shape, _accumulated(q))
     dconsts = None if mods is None else _const_grads(score_consts)
     arriving = None  # the dK/dV accumulator of the block now held, sent by the previous device
     for step in range(ring.size):

@@ -143,7 +143,7 @@ def test_numpy_64_bit_lengths_and_ids():
     """NumPy int64 lengths past int32 clamp (the whole sequence) rather than wrap to 0, and
     negative ones below int32 stay negative (no key) rather than wrap to a positive length;
     int64 segment ids that int32 cannot hold stay distinct documents (not merged by a
-    wrap), eagerly and traced under jit."""
+    wrap), eagerly, traced under jit and closed over by a jitted function."""
     q = jax.random.normal(jax.random.key(0), (2, T, H, D), jnp.float32)
     got = flashjax.flash_attention(q, q, q, kv_lengths=np.array([2**33, 3], np.int64))
     want = flashjax.flash_attention(q, q, q, kv_lengths=jnp.array([T, 3], jnp.int32), backend="xla")
@@ -162,6 +162,10 @@ def test_numpy_64_bit_lengths_and_ids():
         for fn in (flashjax.flash_attention, jax.jit(flashjax.flash_attention)):
             got = fn(q, q, q, segment_ids=jnp.asarray(ids))
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        # Concrete ids closed over by a jitted function (checked in NumPy, not traced there).
+        closed = jnp.asarray(ids)
+        got = jax.jit(lambda q: flashjax.flash_attention(q, q, q, segment_ids=closed))(q)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         kv_ids = np.where(ids < 0, 2**41, ids)  # a q/kv pair, ranked together: a kv-only document
         got = jax.jit(lambda q, s: flashjax.flash_attention(q, q, q, segment_ids=s))(q, (jnp.asarray(ids), jnp.asarray(kv_ids)))
         want_pair = flashjax.flash_attention(q, q, q, segment_ids=(jnp.asarray(small), jnp.asarray(

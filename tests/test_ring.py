@@ -285,6 +285,52 @@ def test_ring_on_explicit_meshes(request):
     run_on_devices(__file__, "check_ring_on_explicit_meshes", seed=zlib.crc32(request.node.nodeid.encode()))
 
 
+def check_ring_precision_types_and_second_order(*, seed):
+    """float64 inputs stay float64 through the merge (every layout, including the causal
+    natural-order one whose skipped blocks are constants); a Hessian-vector product through
+    the reference blocks is finite with a query row that sees no key (the merge's logaddexp
+    never meets two -inf); on an Explicit mesh the output is typed as q; complex is refused."""
+    jax.config.update("jax_enable_x64", True)
+    mesh = jax.make_mesh((DEVICES,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16))) for _ in range(3))
+    assert q.dtype == jnp.float64
+    for causal, load_balance in ((False, True), (True, True), (True, False)):
+        layout = (lambda x: zigzag_order(x, DEVICES)) if causal and load_balance else (lambda x: x)
+        got = ring_attention(layout(q), layout(k), layout(v), mesh=mesh, axis_name="sp", causal=causal,
+                             load_balance=load_balance, backend="xla")
+        want = layout(reference.attention(q, k, v, causal=causal))
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+    # Query 5's document has no key: its row sees nothing.
+    q_ids = jnp.asarray(np.r_[np.zeros(5), [7], np.ones(26)][None], jnp.int32)
+    kv_ids = jnp.asarray(np.r_[np.zeros(8), np.ones(24)][None], jnp.int32)
+    tangent = jnp.asarray(rng.standard_normal(q.shape))
+
+    def hvp(attention, **kw):
+        loss = lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, segment_ids=(q_ids, kv_ids), **kw)))
+        return jax.jvp(lambda q: jax.grad(loss, argnums=(0, 1, 2))(q, k, v), (q,), (tangent,))[1]
+
+    got = hvp(ring_attention, mesh=mesh, axis_name="sp", backend="xla")
+    want = hvp(reference.attention)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.isfinite(np.asarray(g)).all(), name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-9, atol=1e-9, err_msg=name)
+    explicit = jax.make_mesh((DEVICES,), ("sp",))
+    for spec in (jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(None, "sp")):
+        x = jax.device_put(q.astype(jnp.float32), jax.sharding.NamedSharding(explicit, spec))
+        out = ring_attention(x, x, x, mesh=explicit, axis_name="sp", backend="xla")
+        assert jax.typeof(out).sharding.spec == jax.typeof(x).sharding.spec, (jax.typeof(out), jax.typeof(x))
+    with pytest.raises(ValueError, match="real floating inputs"):
+        ring_attention(q.astype(jnp.complex64), k.astype(jnp.complex64), v.astype(jnp.complex64), mesh=mesh,
+                       axis_name="sp", backend="xla")
+
+
+def test_ring_precision_types_and_second_order(request):
+    run_on_devices(__file__, "check_ring_precision_types_and_second_order",
+                   seed=zlib.crc32(request.node.nodeid.encode()))
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_zigzag_layout(n):
     seq = 4 * n

@@ -64,14 +64,19 @@ def backward_rows(o, do, lse, dlse, q_len: int):
 
 
 def merge(o_a, lse_a, o_b, lse_b):
-    """Exact merge of two partial attentions over disjoint key sets (o float32 [B,T,H,D], lse [B,H,T]).
+    """Merge of two partial attentions over disjoint key sets (o float32 or wider [B,T,H,D],
+    lse [B,H,T]), exact up to the rounding of the lse (a relative error of about |lse| times
+    the lse's epsilon in the weights).
 
     With natural-log lse: ``lse = logaddexp(lse_a, lse_b)`` and
     ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``. A part without keys (o = 0,
     lse = -inf) gets weight 0.
     """
-    lse = jnp.logaddexp(lse_a, lse_b)
-    # Rows that no key reached yet keep lse = -inf and o = 0: shift by 0, not by -inf.
+    # Rows that no key reached yet keep lse = -inf and o = 0: logaddexp never sees -inf
+    # twice (its derivative there is NaN, which would reach forward-mode and second-order
+    # gradients), and the weights shift by 0, not by -inf.
+    nothing = (lse_a == -jnp.inf) & (lse_b == -jnp.inf)
+    lse = jnp.where(nothing, -jnp.inf, jnp.logaddexp(jnp.where(nothing, 0.0, lse_a), jnp.where(nothing, 0.0, lse_b)))
     safe = jnp.where(lse == -jnp.inf, 0.0, lse)
     weight = lambda part: jnp.transpose(jnp.exp(part - safe), (0, 2, 1))[..., None]
     return weight(lse_a) * o_a + weight(lse_b) * o_b, lse
@@ -84,14 +89,15 @@ def fold_sinks(out, lse, sinks):
     the sink's). Exact, and differentiable in all three (dsinks by autodiff).
 
     out [B, T, H, Dv], lse [B, H, T] (natural log), sinks [H]."""
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+    wide = jnp.promote_types(lse.dtype, jnp.float32)  # float32, float64 for float64 calls
+    sink = jnp.broadcast_to(sinks.astype(wide)[None, :, None], lse.shape)
     empty = lse == -jnp.inf
     # The inner wheres keep -inf - -inf (a row without keys, a sink of -inf) out of
     # logaddexp, exp and their gradients.
     nothing = empty & (sink == -jnp.inf)
     with_sink = jnp.where(nothing, -jnp.inf, jnp.logaddexp(jnp.where(nothing, 0.0, lse), jnp.where(nothing, 0.0, sink)))
     weight = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - with_sink)))
-    scaled = out.astype(jnp.float32) * jnp.transpose(weight, (0, 2, 1))[..., None]
+    scaled = out.astype(wide) * jnp.transpose(weight, (0, 2, 1))[..., None]
     return scaled.astype(out.dtype), with_sink
 
 
