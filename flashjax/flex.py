@@ -275,6 +275,95 @@ class Mod:
             return False
 
     @functools.cached_property
+    def additive_term(self):
+        """For an `additive` score_mod written as the score plus or minus a term g that does
+        not read the score (ALiBi's ``score - slopes[h] * |q - k|``, a bias table's
+        ``score + table[h, bucket]``): a scalar program (consts, factor, batch, head, q_idx,
+        kv_idx) -> factor * (score_mod(score) - score), else None.
+
+        The kernels then keep their logits in the units they keep without a mod: q.k plus the
+        term times 1 / scale (Hopper), or base-2 logits plus it times log2(e) (Triton), one
+        multiply-add per score instead of a multiply of every score before the mod. The factor
+        goes into g's last product where one side is the same at every position of a tile (the
+        slope: ``slopes[h] * factor`` once per tile), else multiplies g.
+        """
+        if not self.additive:
+            return None
+        jaxpr = self.jaxpr
+        score, *_, q_idx, kv_idx = jaxpr.invars
+        # Values that vary over a tile's positions (or are the score): the others are uniform.
+        varying = {score, q_idx, kv_idx}
+        for eqn in jaxpr.eqns:
+            if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
+                varying.update(eqn.outvars)
+        producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+        # Walk back from the result through the score's own addition and sign changes to the
+        # product the factor can enter.
+        scaled_product, at = None, jaxpr.outvars[0]
+        while isinstance(at, jex_core.Var) and at in producer:
+            eqn = producer[at]
+            name, ins = eqn.primitive.name, eqn.invars
+            if name in ("add", "sub") and score in ins:
+                at = ins[1] if ins[0] is score else ins[0]
+            elif name == "neg" or (name == "convert_element_type" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
+                at = ins[0]
+            else:
+                if name == "mul":
+                    uniform = [isinstance(x, jex_core.Literal) or x not in varying for x in ins]
+                    if uniform.count(True) == 1:
+                        scaled_product = (eqn, uniform.index(True))
+                break
+        zero = object()  # the score, which the term does not read
+
+        def term(*consts_and_args):
+            consts, (factor, *index) = consts_and_args[:len(jaxpr.constvars)], consts_and_args[len(jaxpr.constvars):]
+            env = dict(zip((*jaxpr.constvars, *jaxpr.invars), (*consts, zero, *index)))
+            read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
+            for eqn in jaxpr.eqns:
+                ins = [read(x) for x in eqn.invars]
+                name = eqn.primitive.name
+                if any(x is zero for x in ins):
+                    if name == "add":
+                        outs = [ins[1] if ins[0] is zero else ins[0]]
+                    elif name == "sub":
+                        outs = [zero if ins[1] is zero and ins[0] is zero else ins[0] if ins[1] is zero else -ins[1]]
+                    elif name in ("neg", "convert_element_type", "pvary", "copy", "copy_p"):
+                        outs = [zero]
+                    else:
+                        raise _NotAdditive(name)
+                else:
+                    if scaled_product is not None and eqn is scaled_product[0]:
+                        ins[scaled_product[1]] = ins[scaled_product[1]] * factor
+                    params = eqn.primitive.get_bind_params(eqn.params)
+                    subfuns, params = params if isinstance(params, tuple) else ((), params)
+                    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                    outs = outs if eqn.primitive.multiple_results else [outs]
+                for var, value in zip(eqn.outvars, outs):
+                    env[var] = value
+            out = read(jaxpr.outvars[0])
+            if out is zero:
+                return jnp.zeros((), jnp.float32)
+            return (out if scaled_product is not None else out * factor).astype(jnp.float32)
+
+        avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
+        try:
+            closed = jax.make_jaxpr(term)(*avals, jax.ShapeDtypeStruct((), jnp.float32), *_scalar_args(SCORE_MOD)[1:])
+        except _NotAdditive:
+            return None
+        return closed.jaxpr, tuple(closed.consts)
+
+    def tile_additive_term(self, refs, factor, batch, head, q_idx, kv_idx, *, shape: tuple, lowering: str):
+        """`additive_term` on a tile inside a kernel (arguments as `tile` takes them, the
+        factor a static float): float32 of the tile's shape."""
+        consts = tuple(_ConstRef(ref, shape_, dtype) for ref, (shape_, dtype) in zip(refs, self.const_avals))
+        jaxpr, own = self.additive_term
+        token = _LOWERING.set(lowering)
+        try:
+            return _evaluate_tile(jaxpr, own, (*consts, np.float32(factor), batch, head, q_idx, kv_idx), shape)[0]
+        finally:
+            _LOWERING.reset(token)
+
+    @functools.cached_property
     def _value_and_slope(self):
         """A scalar program (consts, score, batch, head, q_idx, kv_idx) -> (score_mod, d score_mod / d score),
         the derivative traced in with jax.jvp (the kernels' backward uses it in place of 1)."""
@@ -289,6 +378,11 @@ class Mod:
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
         closed = jax.make_jaxpr(value_and_slope)(*avals, *_scalar_args(SCORE_MOD))
         return closed.jaxpr, tuple(closed.consts)
+
+
+class _NotAdditive(Exception):
+    """The score enters an operation other than an addition, a subtraction, a sign change or a
+    conversion (`Mod.additive_term`)."""
 
 
 def _no_mesh():

@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
 import numpy as np
 import pytest
 from conftest import check_close, check_lse
@@ -1608,6 +1609,52 @@ def test_additive_score_mods_skip_the_derivative(score_mod, additive):
     arrays, is not."""
     mod, _ = flex.trace(score_mod, flex.SCORE_MOD)
     assert mod.additive is additive
+
+
+@pytest.mark.parametrize("score_mod, scaled_product", [
+    pytest.param(mods.alibi(jnp.asarray([0.5, 0.25])), True, id="alibi"),
+    pytest.param(mods.t5_relative_bias(jnp.asarray(np.random.default_rng(0).standard_normal((2, 32)), jnp.float32)),
+                 False, id="t5-table"),
+    pytest.param(lambda s, b, h, i, j: s - 0.5 * (i - j).astype(jnp.float32), True, id="minus-literal-times-distance"),
+    pytest.param(lambda s, b, h, i, j: 1.0 + s, False, id="constant-plus"),
+    pytest.param(lambda s, b, h, i, j: s, False, id="identity"),
+])
+def test_additive_term(score_mod, scaled_product):
+    """An additive score_mod's term program gives factor * (score_mod(s) - s) at random
+    arguments, without reading the score; the factor enters the term's last product by its
+    side that is uniform over a tile (ALiBi's slope) where there is one, so that the kernels'
+    logit is one multiply-add per score."""
+    mod, consts = flex.trace(score_mod, flex.SCORE_MOD)
+    jaxpr, own = mod.additive_term
+    term = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr, own))
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        score, factor = np.float32(rng.normal() * 30), np.float32(rng.uniform(0.01, 3))
+        index = [jnp.int32(x) for x in (rng.integers(0, 2), rng.integers(0, 2), rng.integers(0, 300), rng.integers(0, 300))]
+        want = factor * (mod.bind(consts)(jnp.float32(score), *index) - score)
+        got = term(*consts, jnp.float32(factor), *index)[0]
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * abs(score) * factor)
+    factor_var = jaxpr.invars[len(jaxpr.invars) - 5]
+    users = [eqn for eqn in jaxpr.eqns if factor_var in eqn.invars]
+    assert len(users) == (1 if jaxpr.eqns else 0)  # one multiply by the factor (none for the identity's 0)
+    if scaled_product:  # factor times a per-tile value, not times the per-score term
+        (other,) = [x for x in users[0].invars if x is not factor_var]
+        positions = set(jaxpr.invars[-2:])
+        for eqn in jaxpr.eqns:
+            if any(x in positions for x in eqn.invars if isinstance(x, jex_core.Var)):
+                positions.update(eqn.outvars)
+        assert isinstance(other, jex_core.Literal) or other not in positions
+
+
+@pytest.mark.parametrize("score_mod", [
+    pytest.param(mods.tanh_softcap(5.0), id="tanh"),
+    pytest.param(lambda s, b, h, i, j: (i - j).astype(jnp.float32) - s, id="minus-score"),
+    pytest.param(lambda s, b, h, i, j: jnp.where(i > j, s + 1.0, s - 2.0), id="where-of-sums"),
+])
+def test_no_additive_term_for_other_mods(score_mod):
+    """Mods that are not the score plus a term have none (the kernels scale the score first)."""
+    mod, _ = flex.trace(score_mod, flex.SCORE_MOD)
+    assert mod.additive_term is None
 
 
 # ---- random mods (property tests) ----------------------------------------------------------------

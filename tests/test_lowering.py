@@ -561,6 +561,9 @@ USER_MODS = {
     # Loops: their body runs every iteration inside the kernels.
     "fori-loop-score": dict(score_mod=lambda s, b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, x: x + 0.5 * (j % 2), s)),
     "fori-loop-mask": dict(mask_mod=lambda b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, c: c + 1, j) <= i + 1),
+    # Additive mods: the term added to the kernels' own logits (`flex.Mod.additive_term`).
+    "alibi-mod": dict(score_mod=mods.alibi(jnp.asarray([0.5, 0.25, 0.125, 0.0625]))),
+    "plus-column-term": dict(score_mod=lambda s, b, h, i, j: 0.5 * (j % 4).astype(jnp.float32) + s),
 }
 
 

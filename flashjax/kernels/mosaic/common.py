@@ -94,10 +94,16 @@ class Tiling:
     v_stages: int | None = None
 
     @property
+    def additive_mod(self) -> bool:
+        """Whether the score_mod enters as a term added to q.k (`flex.Mod.additive_term`, no
+        softcap after it), as a bias does, rather than a function of the scaled score."""
+        return self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None
+
+    @property
     def scaled_logits(self) -> bool:
         """Whether `logits` returns scale * q.k (the softcap and score_mod take the scaled
         score) rather than q.k with the scale left to `exp2_scale`."""
-        return self.softcap is not None or self.score_mod is not None
+        return self.softcap is not None or (self.score_mod is not None and not self.additive_mod)
 
     @property
     def exp2_scale(self) -> float:
@@ -522,7 +528,8 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     and arrays in `mod`), then the softcap ``softcap * tanh(score / softcap)``, then `bias`
     (the tile's bias, float32 in s's layout; -inf at or below `masks.MASKING_BIAS`), then
     with `slope` (this head's ALiBi slope) minus ``slope * |q + offset - k|``. Without a
-    softcap or score_mod the logits stay in units of q.k (the scale is folded into
+    softcap, and without a score_mod or with an additive one (`Tiling.additive_mod`, whose
+    term enters as a bias does), the logits stay in units of q.k (the scale is folded into
     `exp2_scale`).
 
     Returns (logits, and with `grad` d logits / d s divided by the scale: score_mod's
@@ -531,7 +538,13 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     path of the Hopper kernels: the forward and both backward kernels call the pair.
     """
     dlogits = None
-    if t.score_mod is not None:
+    if t.additive_mod:
+        # Logits in units of q.k: the mod's term over the scale, one FMA per score (none of its
+        # derivative: it is 1).
+        rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
+        s = s + t.score_mod.tile_additive_term(mod.score_consts, 1.0 / t.scale, mod.batch, mod.head, rows, cols,
+                                               shape=s.shape, lowering="mosaic")
+    elif t.score_mod is not None:
         rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
         out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad,
                                shape=s.shape, lowering="mosaic")

@@ -81,7 +81,13 @@ class Scorer:
         """Returns (s2, chain): base-2 logits, and what `logit_grad` needs: tanh(.) of the softcap
         and, with `grad`, score_mod's derivative in the score (each None when absent)."""
         mod_slope = None
-        if self.score_mod is not None:
+        if self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None:
+            # An additive mod's term enters the base-2 logits as a bias does: one multiply-add
+            # per score, and no derivative (it is 1).
+            t = None
+            s = qk * (self.scale * LOG2E) + self.score_mod.tile_additive_term(
+                mod.score_consts, LOG2E, mod.batch, mod.head, rows, cols, shape=qk.shape, lowering="triton")
+        elif self.score_mod is not None:
             args = (qk * self.scale, mod.batch, mod.head, rows, cols)
             if grad:
                 score, mod_slope = self.score_mod.tile(mod.score_consts, *args, grad=True, lowering="triton")
