@@ -347,7 +347,10 @@ class Mod:
 
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
         try:
-            closed = jax.make_jaxpr(term)(*avals, jax.ShapeDtypeStruct((), jnp.float32), *_scalar_args(SCORE_MOD)[1:])
+            # Traced outside any mesh: under jax.set_mesh the constants the trace makes would
+            # be typed on its axes, and a kernel inside shard_map cannot close over them.
+            with _no_mesh():
+                closed = jax.make_jaxpr(term)(*avals, jax.ShapeDtypeStruct((), jnp.float32), *_scalar_args(SCORE_MOD)[1:])
         except _NotAdditive:
             return None
         return closed.jaxpr, tuple(closed.consts)
