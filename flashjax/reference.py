@@ -7,9 +7,10 @@ so it is meant for checking and for small problems, not for speed.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from flashjax import dropout, flex, masks
 
@@ -173,7 +174,7 @@ def attention(
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads, v_head_dim = k.shape[1], k.shape[2], v.shape[3]
     if scale is None:
-        scale = 1.0 / np.sqrt(head_dim)
+        scale = 1.0 / math.sqrt(head_dim)  # a Python float: no float64 promotion under x64
     group = heads // kv_heads
     dtype = jnp.promote_types(q.dtype, jnp.float32)
     vf = v.astype(dtype)
