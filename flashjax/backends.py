@@ -6,9 +6,10 @@ backward. The registry orders them per platform; ``backend="auto"`` takes the fi
 that supports the call, a backend named by the caller is used or refused with its
 reasons, and `Choice` says which ran and why the ones before it did not.
 
-The backward may run on a different backend than the forward (the Hopper kernels
-have no head dim 256 backward): it runs on the forward's backend when that one
-supports it, else on the first backend of the platform's order that does.
+The backward may run on a different backend than the forward (the Hopper kernels'
+backward refuses a score_mod whose derivative it cannot lower): it runs on the forward's
+backend when that one supports it, else on the first backend of the platform's order
+that does.
 
 Adding a backend: a module with a ``BACKEND`` object, one line in `_MODULES`, and
 its name in the platform orders.
@@ -187,6 +188,7 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
       NotImplementedError: the named backend (or the one `config` implies) cannot run
         the call; the message lists its reasons.
     """
+    named = backend
     if config is not None:
         backend = _config_owner(config, backend, lambda b: b.config_type, "config")
     if backend != "auto":
@@ -195,7 +197,7 @@ def choose(call: Call, backend: str = "auto", config: Any = None) -> Choice:
         if reasons:
             raise NotImplementedError(
                 f"backend={backend!r} ({chosen.description}) cannot run this call: {_joined(reasons)}. "
-                "Use backend='auto' to take the first backend that can."
+                + _instead(named, config)
             )
         passed = ()
     else:
@@ -228,6 +230,7 @@ def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -
             return ["no decode path"]
         return b.decode.supports(call) + (b.decode.declines(call) if auto else [])
 
+    named = backend
     if config is not None:
         backend = _config_owner(config, backend, lambda b: b.decode and b.decode.config_type, "decode config")
     if backend != "auto":
@@ -235,11 +238,19 @@ def choose_decode(call: DecodeCall, backend: str = "auto", config: Any = None) -
         if reasons:
             raise NotImplementedError(
                 f"backend={backend!r} ({get(backend).description}) cannot run this decode call: {_joined(reasons)}. "
-                "Use backend='auto' to take the first backend that can."
+                + _instead(named, config)
             )
         return Choice(backend, "", None, None)
     chosen, passed = _first(call, order(call.platform), lambda b: reasons_of(b, auto=True))
     return Choice(chosen.name, "", None, None, passed)
+
+
+def _instead(named: str, config) -> str:
+    """What to change when the named backend, or the one a config selected, cannot run a call."""
+    if named == "auto" and config is not None:
+        return (f"The config ({type(config).__name__}) selected that backend: pass config=None "
+                "(with backend='auto') to take the first backend that can.")
+    return "Use backend='auto' to take the first backend that can."
 
 
 def _config_owner(config, backend: str, config_type_of, what: str) -> str:

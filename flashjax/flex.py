@@ -229,6 +229,40 @@ class Mod:
                         uses.append(f"{arrays} in `{eqn.primitive.name}`")
         return tuple(dict.fromkeys(uses))
 
+    def unlowered_forms(self, derivative: bool, lowering: str) -> list[str]:
+        """Operations of the forward (or, with `derivative`, the backward) kernels' program in a
+        form the lowering ("triton" or "mosaic", JAX 0.11.2) has no rule for, although it has one
+        for the primitive: a select_n of more than two cases (`jnp.select`'s, a three-way
+        `lax.select_n`), a stack or concatenate (more than two arrays on Triton; any on
+        Mosaic), a `lax.cond` / `lax.switch` whose branch depends on the score or a position
+        (either lowering), and any cond in Triton's derivative program."""
+        found = []
+        for jaxpr, consts in self._programs(derivative):
+            # The batch row, the head and the closed-over arrays are the same over a tile.
+            first = 1 if self.name == SCORE_MOD else 0
+            args = jaxpr.invars[len(jaxpr.invars) - len(_scalar_args(self.name)) - (2 if self.sides else 0):]
+            uniform = set(consts) | set(args[first:first + 2])
+            varying = set(jaxpr.invars) - uniform
+            for eqn in jaxpr.eqns:
+                if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
+                    varying.update(eqn.outvars)
+            top = {id(eqn) for eqn in jaxpr.eqns}
+            for eqn in _nested_eqns(jaxpr):
+                name, n = eqn.primitive.name, len(eqn.invars)
+                if name == "select_n" and n > 3:
+                    found.append(f"a select_n of {n - 1} cases (jnp.select)")
+                elif name in ("stack", "concatenate") and (lowering == "mosaic" or n > 2):
+                    found.append(f"a {name} of {n} arrays")
+                elif name == "cond":
+                    index = eqn.invars[0]
+                    # A cond inside another call is taken as varying: its operands are not traced here.
+                    per_score = not isinstance(index, jex_core.Literal) and (index in varying or id(eqn) not in top)
+                    if per_score:
+                        found.append("a lax.cond / lax.switch on the score or a position")
+                    elif lowering == "triton" and derivative:
+                        found.append("a lax.cond / lax.switch in the derivative program")
+        return sorted(set(found))
+
     def primitives(self, derivative: bool = False) -> frozenset:
         """The names of the primitives the forward (or, with `derivative`, the backward) kernels
         evaluate for this mod (`_computations`)."""

@@ -420,6 +420,11 @@ def test_forced_backend_lists_its_reasons(monkeypatch):
     q = jnp.zeros((1, 16, 2, 64), jnp.float32)
     with pytest.raises(NotImplementedError, match="sm90.*float32"):
         flashjax.flash_attention(q, q, q, backend="mosaic")
+    # A config with backend="auto" selected the backend: the message says to drop the config.
+    with pytest.raises(NotImplementedError, match=r"The config \(MosaicConfig\) selected that backend"):
+        flashjax.explain(q, q, q, config=flashjax.MosaicConfig())
+    with pytest.raises(NotImplementedError, match="Use backend='auto'"):
+        flashjax.explain(q, q, q, backend="mosaic", config=flashjax.MosaicConfig())
 
 
 @pytest.mark.parametrize("dtype", ["float64", "complex64"])

@@ -1242,6 +1242,28 @@ def test_mods_keep_no_tracer_of_the_enclosing_trace(rng, backend):
         jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, table, ids))
 
 
+def test_float64_closed_over_array_under_x64():
+    """Under x64 a score_mod may close over a float64 array (jnp.linspace's default there): the
+    kernels' gradient of it (summed over chunks of rows) is float64, equal to the reference's."""
+    with jax.enable_x64(True):
+        ks = jax.random.split(jax.random.key(3), 3)
+        q, k, v = (jax.random.normal(key, (1, 40, 2, 16), jnp.float32) for key in ks)
+        slopes = jnp.linspace(0.1, 0.5, 2)
+        assert slopes.dtype == jnp.float64
+
+        def loss(attention, **kw):
+            def run(q, slopes):
+                mod = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j).astype(jnp.float32)
+                return jnp.sum(jnp.sin(attention(q, k, v, score_mod=mod, causal=True, **kw)))
+            return run
+
+        got = jax.grad(loss(flashjax.flash_attention, backend="triton"), argnums=(0, 1))(q, slopes)
+        want = jax.grad(loss(reference.attention), argnums=(0, 1))(q, slopes)
+        assert got[1].dtype == jnp.float64
+        for name, g, w in zip(("dq", "dslopes"), got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_vmap_over_examples_and_tables(rng):
     """Under jax.vmap, with a closed-over table batched along with the inputs (one table per example)."""
     q = jnp.asarray(rng.standard_normal((3, 1, 20, 2, 16)), jnp.float32)

@@ -134,6 +134,8 @@ MOSAIC_CASES = [
     pytest.param(8, 2, 128, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d128-causal-overlap"),
     pytest.param(4, 1, 64, True, {}, ("fwd", "dkv", "dq"), id="d64-causal-mqa"),
     pytest.param(4, 4, 96, True, {}, ("fwd", "dkv", "dq"), id="d96-causal"),
+    # A dQ key tile of 192 that does not fit at head dim 256: halved to a multiple of 64, not 96.
+    pytest.param(4, 4, 256, True, {"dq_block_kv": 192}, ("fwd", "dkv", "dq"), id="d256-dq-keys-192"),
     # Windows and the softcap (`common.logits`).
     pytest.param(4, 2, 128, False, {}, ("fwd", "dkv", "dq"), id="d128-window"),
     pytest.param(4, 1, 64, True, {"fwd_schedule": "overlap"}, ("fwd", "dkv", "dq"), id="d64-causal-window-overlap"),
@@ -561,6 +563,16 @@ USER_MODS = {
     # Loops: their body runs every iteration inside the kernels.
     "fori-loop-score": dict(score_mod=lambda s, b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, x: x + 0.5 * (j % 2), s)),
     "fori-loop-mask": dict(mask_mod=lambda b, h, i, j: jax.lax.fori_loop(0, 3, lambda t, c: c + 1, j) <= i + 1),
+    # Forms of lowered primitives the lowerings do not take (`flex.Mod.unlowered_forms`): refused
+    # up front, or (a cond on the head) lowered.
+    "select-three-way": dict(score_mod=lambda s, b, h, i, j: jnp.select([i > j, i == j], [s, s * 2.0], -1.0)),
+    "select_n-three-cases": dict(mask_mod=lambda b, h, i, j: jax.lax.select_n(jnp.clip(i - j, 0, 2), i >= j, j < 4,
+                                                                              i > j + 3)),
+    "concatenate-three": dict(score_mod=lambda s, b, h, i, j: s + jnp.concatenate(
+        [jnp.atleast_1d(i), jnp.atleast_1d(j), jnp.atleast_1d(h)]).sum().astype(jnp.float32)),
+    "cond-on-score": dict(score_mod=lambda s, b, h, i, j: jax.lax.cond(s > 0, lambda: s, lambda: -s)),
+    "switch-on-head": dict(score_mod=lambda s, b, h, i, j: jax.lax.switch(h % 3, [lambda: s, lambda: s * 0.5,
+                                                                                  lambda: s + 1.0])),
     # Additive mods: the term added to the kernels' own logits (`flex.Mod.additive_term`).
     "alibi-mod": dict(score_mod=mods.alibi(jnp.asarray([0.5, 0.25, 0.125, 0.0625]))),
     "plus-column-term": dict(score_mod=lambda s, b, h, i, j: 0.5 * (j % 4).astype(jnp.float32) + s),

@@ -95,8 +95,10 @@ def score_consts_grad(q, k, v, do, lse, delta, extras: Extras, params: Attention
         (grads,) = pullback(p * (dp - delta_c[..., None]))
         return jax.tree.map(jnp.add, total, grads)
 
-    # Typed as the chunks' gradients are inside jax.shard_map (varying over the inputs' axes).
-    zeros = vary_alike(tuple(jnp.zeros(c.shape, jnp.float32) for c in floats), q, k, v, do, extras)
+    # Typed as the chunks' gradients are inside jax.shard_map (varying over the inputs' axes);
+    # summed in float32, or in the array's own dtype where it is wider (float64 under x64).
+    zeros = vary_alike(tuple(jnp.zeros(c.shape, jnp.promote_types(c.dtype, jnp.float32)) for c in floats),
+                       q, k, v, do, extras)
     grads = lax.fori_loop(0, n_chunks, chunk, zeros)
     return flex.merge_float_consts(consts, grads, others=None)
 

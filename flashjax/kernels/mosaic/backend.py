@@ -88,7 +88,7 @@ def _unlowered(mod: flex.Mod, derivative: bool) -> list[str]:
             dtypes = _UNLOWERED_ON_TILES[name]
             if dtypes is None or dtype in dtypes:
                 missing.add(name)
-    return sorted(missing)
+    return sorted(missing) + mod.unlowered_forms(derivative, "mosaic")
 
 
 def _kernel_mods(call: Call) -> list[tuple[str, flex.Mod | str]]:
@@ -144,7 +144,8 @@ def _pair_array_reasons(call: Call) -> list[str]:
     names = " and ".join(name for name, _, _ in call.pair_arrays)
     reasons = []
     if max(call.head_dim, call.v_head_dim or 0) > 128:
-        reasons.append(f"{names} at head_dim {call.head_dim} > 128 (the bias tiles beside K/V exceed shared memory)")
+        reasons.append(f"{names} at head_dim {call.head_dim} > 128 (read as bias tiles, a mask folded into them, "
+                       "which beside K/V exceed shared memory)")
     broadcast = [name for name, shape, _ in call.pair_arrays if shape[2:] != (call.seq_q, call.seq_k)]
     if broadcast:
         reasons.append(f"{' and '.join(broadcast)} broadcast along q_len or kv_len (the kernels read [Tq, Tk] "
@@ -420,7 +421,7 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
              itemsize: int) -> tuple[int, int, int | None]:
     """(key tile, K stages, V stages or None for as many as K's) of the dQ kernel's ring, fitted
     to shared memory beside its consumers' own Q, dO, lse and delta: the configured key
-    tile, halved (down to 64 keys, wgmma's contraction over the 128-byte swizzle) while not
+    tile, halved (to a multiple of 64 keys, down to 64: wgmma's contraction over the 128-byte swizzle) while not
     one stage of it fits, then as many of the configured stages as fit; where only one of
     K and V fits, a second K tile (S = Q K^T, the step's first product, then need not wait
     for the tile's copy)."""
@@ -435,7 +436,7 @@ def _dq_tile(dim: int, v_dim: int, block_q: int, block_kv: int, stages: int, t: 
         return keys * (dim + v_dim) * itemsize + bias + (keys * 4 if t.segments else 0)
 
     while block_kv > 64 and own + stage(block_kv) > SMEM_BYTES:
-        block_kv //= 2
+        block_kv = max(64, block_kv // 2 // 64 * 64)  # a multiple of 64 (192 -> 64, not 96)
     fitting = max(1, min(stages, (SMEM_BYTES - own) // stage(block_kv)))
     # Not with segment ids (their ring follows K's): that pairing has not run on a GPU yet.
     if fitting == 1 < stages and not t.segments and own + stage(block_kv) + block_kv * dim * itemsize <= SMEM_BYTES:

@@ -68,9 +68,11 @@ def _unlowered_mods(call: Call, derivative: bool) -> list[str]:
     for name, mod in flex.call_mods(call):
         if flex.unreadable_reason(name, mod):  # said by `supports`; its reads are no primitive to lower
             continue
+        where = f"{name}'s derivative" if derivative else name
         if missing := sorted(mod.primitives(derivative) - _lowered_primitives()):
-            where = f"{name}'s derivative" if derivative else name
             reasons.append(f"{where} uses {', '.join(missing)}, which Pallas' Triton lowering does not have")
+        if forms := mod.unlowered_forms(derivative, "triton"):
+            reasons.append(f"{where} uses {', '.join(forms)}, which Pallas' Triton lowering does not take")
     return reasons
 
 
