@@ -337,7 +337,7 @@ class Mod:
         while isinstance(at, jex_core.Var) and at in producer:
             eqn = producer[at]
             name, ins = eqn.primitive.name, eqn.invars
-            if name in ("add", "sub") and score in ins:
+            if name in ("add", "sub") and any(x is score for x in ins):
                 at = ins[1] if ins[0] is score else ins[0]
             elif name == "neg" or (name == "convert_element_type" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
                 at = ins[0]
