@@ -1038,7 +1038,10 @@ class BlockMask:
     """Which tile pairs of a [q_len, kv_len] score matrix a mask_mod leaves empty, full or partial.
 
     A pytree (its `blocks` are the only leaf), so it can be built once and passed to many
-    calls, under jit or not. Build it with `flashjax.block_mask`.
+    calls, under jit or not. Build it with `flashjax.block_mask`. Its mask_mod is static
+    (with the arrays it closes over): a mask rebuilt outside jit for every step, from new
+    document ids, is a new static argument and recompiles the step; build such a mask
+    inside the jitted function from its traced ids instead.
 
     Attributes:
       blocks: int8 [Bm, Hm, ceil(q_len / block_q), ceil(kv_len / block_k)]: 0 empty (no pair
@@ -1255,8 +1258,9 @@ def check_block_mask(mask, mask_mod, batch: int, heads: int, seq_q: int, seq_k: 
                 lax.stop_gradient(const)
     except jax.errors.UnexpectedTracerError as e:
         raise ValueError(
-            "block_mask's mask_mod reads values of a jax.jit trace that has ended (a BlockMask built inside "
-            "a jit and returned from it): build it outside jit, or inside the jit that uses it."
+            "block_mask's mask_mod reads values of a transformation's trace that has ended (a BlockMask built "
+            "inside a jax.jit or jax.vmap and returned from it): build it outside, or inside the same jit or "
+            "vmap as the flash_attention call that uses it."
         ) from e
     for axis, built, wanted, used in zip(("batch", "heads"), (bm, hm), (batch, heads), own.uses_batch_and_head):
         if built == 1 and wanted > 1 and used:

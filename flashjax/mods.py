@@ -31,6 +31,8 @@ def alibi(slopes, offset: int = 0):
     conversion per row and per column rather than per score.
     """
 
+    slopes = jnp.asarray(slopes)  # NumPy arrays too (a mod indexes with traced positions)
+
     def score_mod(score, batch, head, q_idx, kv_idx):
         distance = jnp.abs((q_idx + offset).astype(jnp.float32) - kv_idx.astype(jnp.float32))
         return score - slopes[head] * distance
@@ -66,6 +68,7 @@ def t5_relative_bias(table, *, bidirectional: bool = True, max_distance: int = 1
     ``table`` is float [heads, num_buckets], typically a learned parameter: its gradient
     is returned like any input's.
     """
+    table = jnp.asarray(table)
     num_buckets = table.shape[1]
 
     def score_mod(score, batch, head, q_idx, kv_idx):
@@ -99,6 +102,8 @@ def prefix_lm(prefix_lengths):
     """Prefix LM: every query sees the first ``prefix_lengths[batch]`` keys (the prefix, attended
     bidirectionally) and the keys up to itself (causal after it). ``prefix_lengths``: int [batch]."""
 
+    prefix_lengths = jnp.asarray(prefix_lengths)
+
     def mask_mod(batch, head, q_idx, kv_idx):
         return (kv_idx <= q_idx) | (kv_idx < prefix_lengths[batch])
 
@@ -111,6 +116,8 @@ def document_window(document_ids, left: int):
 
     The same pairs as ``segment_ids=document_ids, causal=True, window=(left, 0)``.
     """
+
+    document_ids = jnp.asarray(document_ids)
 
     def mask_mod(batch, head, q_idx, kv_idx):
         same = document_ids[batch, q_idx] == document_ids[batch, kv_idx]

@@ -1242,6 +1242,18 @@ def test_mods_keep_no_tracer_of_the_enclosing_trace(rng, backend):
         jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(q, table, ids))
 
 
+def test_ready_mods_take_numpy_arrays():
+    """The ready mods take NumPy arrays as JAX ones (they are indexed with traced positions)."""
+    q = jax.random.normal(jax.random.key(4), (1, 32, 2, 16), jnp.float32)
+    ids = np.repeat(np.arange(4), 8)[None].astype(np.int32)
+    slopes, lengths, table = np.array([0.5, 0.25], np.float32), np.array([5], np.int32), np.zeros((2, 32), np.float32)
+    for options in (dict(mask_mod=mods.document_window(ids, 8)), dict(score_mod=mods.alibi(slopes)),
+                    dict(mask_mod=mods.prefix_lm(lengths)), dict(score_mod=mods.t5_relative_bias(table))):
+        got = flashjax.flash_attention(q, q, q, backend="triton", **options)
+        want = reference.attention(q, q, q, **options)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_float64_closed_over_array_under_x64():
     """Under x64 a score_mod may close over a float64 array (jnp.linspace's default there): the
     kernels' gradient of it (summed over chunks of rows) is float64, equal to the reference's."""
