@@ -242,10 +242,7 @@ class Mod:
             first = 1 if self.name == SCORE_MOD else 0
             args = jaxpr.invars[len(jaxpr.invars) - len(_scalar_args(self.name)) - (2 if self.sides else 0):]
             uniform = set(consts) | set(args[first:first + 2])
-            varying = set(jaxpr.invars) - uniform
-            for eqn in jaxpr.eqns:
-                if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
-                    varying.update(eqn.outvars)
+            varying = _dependents(jaxpr, set(jaxpr.invars) - uniform)
             top = {id(eqn) for eqn in jaxpr.eqns}
             for eqn in _nested_eqns(jaxpr):
                 name, n = eqn.primitive.name, len(eqn.invars)
@@ -290,11 +287,7 @@ class Mod:
             return False
         jaxpr, consts = self._value_and_slope
         slope = jaxpr.outvars[1]
-        varying = set(jaxpr.invars)
-        for eqn in jaxpr.eqns:
-            if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
-                varying.update(eqn.outvars)
-        if isinstance(slope, jex_core.Var) and slope in varying:
+        if isinstance(slope, jex_core.Var) and slope in _dependents(jaxpr, jaxpr.invars):
             return False
         # Evaluated now, with concrete zeros, even when first asked inside a kernel's trace, and
         # outside any mesh (under shard_map with a mesh set, arrays made here would be typed on
@@ -326,10 +319,7 @@ class Mod:
         jaxpr = self.jaxpr
         score, *_, q_idx, kv_idx = jaxpr.invars
         # Values that vary over a tile's positions (or are the score): the others are uniform.
-        varying = {score, q_idx, kv_idx}
-        for eqn in jaxpr.eqns:
-            if any(isinstance(x, jex_core.Var) and x in varying for x in eqn.invars):
-                varying.update(eqn.outvars)
+        varying = _dependents(jaxpr, (score, q_idx, kv_idx))
         producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
         # Walk back from the result through the score's own addition and sign changes to the
         # product the factor can enter.
@@ -368,10 +358,7 @@ class Mod:
                 else:
                     if scaled_product is not None and eqn is scaled_product[0]:
                         ins[scaled_product[1]] = ins[scaled_product[1]] * factor
-                    params = eqn.primitive.get_bind_params(eqn.params)
-                    subfuns, params = params if isinstance(params, tuple) else ((), params)
-                    outs = eqn.primitive.bind(*subfuns, *ins, **params)
-                    outs = outs if eqn.primitive.multiple_results else [outs]
+                    outs = _bind(eqn, ins)
                 for var, value in zip(eqn.outvars, outs):
                     env[var] = value
             out = read(jaxpr.outvars[0])
@@ -640,6 +627,15 @@ def unreadable_reason(name: str, mod: Mod) -> str | None:
     if not mod.unreadable_arrays:
         return None
     return f"{name} uses the closed-over {'; '.join(mod.unreadable_arrays)}. {UNREADABLE_HINT}"
+
+
+def _dependents(jaxpr, seeds) -> set:
+    """The variables of a jaxpr's top level that depend on `seeds` (a forward walk), seeds included."""
+    found = set(seeds)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(x, jex_core.Var) and x in found for x in eqn.invars):
+            found.update(eqn.outvars)
+    return found
 
 
 def _used_inputs(jaxpr) -> list[bool]:

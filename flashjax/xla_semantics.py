@@ -66,8 +66,8 @@ def evaluate(eqn, ins, params, lowering: str) -> list | None:
       NaN);
     * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
       relative): `tanh_from_exp2`, as the Hopper kernels' built-in softcap, within ~6e-7
-      absolute (a relatively exact form near 0, a series beside it, measured 1.17-1.27x
-      the built-in softcap's time against 1.02-1.10x, H200).
+      absolute (a form exact relatively near 0 costs a series per score in the kernels'
+      issue-bound forward: benchmarks/results/mosaic-notes.md).
     """
     prim, dtype = eqn.primitive, np.dtype(eqn.invars[0].aval.dtype)
     floating, integer = jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.integer)

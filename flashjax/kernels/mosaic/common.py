@@ -538,14 +538,14 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     path of the Hopper kernels: the forward and both backward kernels call the pair.
     """
     dlogits = None
+    if t.score_mod is not None:
+        rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
     if t.additive_mod:
         # Logits in units of q.k: the mod's term over the scale, one FMA per score (none of its
         # derivative: it is 1).
-        rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
         s = s + t.score_mod.tile_additive_term(mod.score_consts, 1.0 / t.scale, mod.batch, mod.head, rows, cols,
                                                shape=s.shape, lowering="mosaic")
     elif t.score_mod is not None:
-        rows, cols = _mod_positions(t.score_mod, s.shape, q_start, k_start, transposed)
         out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad,
                                shape=s.shape, lowering="mosaic")
         s, dlogits = out if grad else (out, None)
