@@ -18,7 +18,8 @@ The one scalar program is evaluated in two ways:
 
 * in XLA (the reference, the block-mask builder, the gradient of closed-over arrays):
   `elementwise(mod.bind(consts), ...)`, vmapped over index grids;
-* in the kernels: `Mod.tile(refs, ...)`, vmapped over the tile, reading each closed-over
+* in the kernels: `Mod.at(refs, batch, head)` once per (batch row, head), then its
+  `TileProgram.tile(...)` per tile, vmapped over the tile, reading each closed-over
   array one element per score through its ref (`table[h, bucket]` becomes a pointer load:
   Triton has no gather on values).
 
@@ -130,7 +131,7 @@ class Mod:
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
 
     def tile(self, refs, *args, grad: bool = False, shape: tuple | None = None, lowering: str | None = None):
-        """Evaluates the function on a tile inside a kernel.
+        """Evaluates the function on a tile inside a kernel (`at`, then `TileProgram.tile`).
 
         Args:
           refs: the kernel refs of the closed-over arrays (as `kernel_operands` passed them).
@@ -147,17 +148,52 @@ class Mod:
           The tile of results (float32 scores or bools), with `grad` a pair (scores, slopes);
           slopes is None for an `additive` score_mod (its derivative is 1: nothing to multiply).
         """
+        lead = 1 if self.name == SCORE_MOD else 0
+        batch, head = args[lead:lead + 2]
+        program = self.at(refs, batch, head, lowering=lowering, grad=grad)
+        return program.tile(*args[:lead], *args[lead + 2:], shape=shape)
+
+    def at(self, refs, batch, head, *, lowering: str | None = None, grad: bool = False,
+           term_factor: float | None = None) -> "TileProgram":
+        """The function at one batch row and query head inside a kernel, for its tiles.
+
+        What the program computes from the batch row, the head and the closed-over arrays
+        alone (ALiBi's ``slopes[h]``, a load, and its product with a constant) is evaluated
+        here, once; the tiles then evaluate only what varies over their positions. A kernel
+        calls this before its loop over key tiles: Mosaic GPU's compiler leaves a load from
+        global memory inside the loop where the program put it (one per tile).
+
+        Args:
+          refs, lowering: as `tile` takes them.
+          batch, head: the batch row and query head (scalars).
+          grad: the tiles return (value, d score_mod / d score), as `tile` does.
+          term_factor: the tiles return the `additive_term` program with this factor: the
+            term from the positions alone (score_mod with an `additive_term`).
+
+        Returns:
+          A `TileProgram`: ``.tile(*varying, shape=None)`` where varying is (score,) q_idx,
+          kv_idx (and with `sides` the row and column values); with `term_factor`, q_idx
+          and kv_idx.
+        """
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
+        # A closed-over scalar is loaded here too, not where each tile uses it.
+        consts = tuple(c if c.shape else c.load() for c in consts)
+        pair = False
+        if term_factor is not None:
+            jaxpr, own = self.additive_term
+            lead = (*consts, np.float32(term_factor))
+        elif grad and not self.additive:
+            (jaxpr, own), lead, pair = self._value_and_slope, (*consts, _VARYING), True
+        else:
+            jaxpr, own, lead = self.jaxpr, consts, (_VARYING,) if self.name == SCORE_MOD else ()
+        template = (*lead, batch, head, *(_VARYING,) * (len(jaxpr.invars) - len(lead) - 2))
         token = _LOWERING.set(lowering)
         try:
-            if grad and self.additive:
-                return _evaluate_tile(self.jaxpr, consts, args, shape)[0], None
-            if grad:
-                jaxpr, own = self._value_and_slope
-                return tuple(_evaluate_tile(jaxpr, own, (*consts, *args), shape))
-            return _evaluate_tile(self.jaxpr, consts, args, shape)[0]
+            known = _uniform_values(jaxpr, own, template)
         finally:
             _LOWERING.reset(token)
+        returns = "pair" if pair else "value_and_none" if grad and term_factor is None else "value"
+        return TileProgram(jaxpr, own, template, known, lowering, returns)
 
     @functools.cached_property
     def _read_sides(self) -> dict:
@@ -376,17 +412,6 @@ class Mod:
             return None
         return closed.jaxpr, tuple(closed.consts)
 
-    def tile_additive_term(self, refs, factor, batch, head, q_idx, kv_idx, *, shape: tuple, lowering: str):
-        """`additive_term` on a tile inside a kernel (arguments as `tile` takes them, the
-        factor a static float): float32 of the tile's shape."""
-        consts = tuple(_ConstRef(ref, shape_, dtype) for ref, (shape_, dtype) in zip(refs, self.const_avals))
-        jaxpr, own = self.additive_term
-        token = _LOWERING.set(lowering)
-        try:
-            return _evaluate_tile(jaxpr, own, (*consts, np.float32(factor), batch, head, q_idx, kv_idx), shape)[0]
-        finally:
-            _LOWERING.reset(token)
-
     @functools.cached_property
     def _value_and_slope(self):
         """A scalar program (consts, score, batch, head, q_idx, kv_idx) -> (score_mod, d score_mod / d score),
@@ -402,6 +427,43 @@ class Mod:
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
         closed = jax.make_jaxpr(value_and_slope)(*avals, *_scalar_args(SCORE_MOD))
         return closed.jaxpr, tuple(closed.consts)
+
+
+# A tile input of `Mod.at`'s template (the score, a position): what its values depend on
+# varies over a tile, and is evaluated per tile.
+_VARYING = object()
+
+
+class TileProgram(NamedTuple):
+    """A mod's program at one batch row and head inside a kernel (`Mod.at`)."""
+
+    jaxpr: Any
+    consts: tuple  # the program's constvars' values (`_ConstRef`s of the closed-over arrays, or its own)
+    template: tuple  # its invars' values, `_VARYING` where a tile gives them
+    known: dict  # {var: (value, ())}: what `Mod.at` evaluated once
+    lowering: str | None
+    returns: str  # "value", "pair" (value, derivative) or "value_and_none" (an additive mod's derivative, 1)
+
+    def tile(self, *varying, shape: tuple | None = None):
+        """The program on one tile: `varying` in the template's `_VARYING` slots (see `Mod.at`)."""
+        fill = iter(varying)
+        args = tuple(next(fill) if a is _VARYING else a for a in self.template)
+        token = _LOWERING.set(self.lowering)
+        try:
+            outs = _evaluate_tile(self.jaxpr, self.consts, args, shape, known=self.known)
+        finally:
+            _LOWERING.reset(token)
+        if self.returns == "pair":
+            return tuple(outs)
+        return (outs[0], None) if self.returns == "value_and_none" else outs[0]
+
+
+def _uniform_values(jaxpr, consts, args) -> dict:
+    """{var: (value, ())} of a program's equations that read no `_VARYING` input (directly or
+    through another equation), evaluated (see `_evaluate_tile`)."""
+    env = _evaluate_batched(jaxpr, [(c, ()) for c in consts], [(a, ()) for a in args], env_out=True)
+    produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    return {v: value for v, value in env.items() if v in produced and value[0] is not _VARYING}
 
 
 class _NotAdditive(Exception):
@@ -729,7 +791,7 @@ class Along(NamedTuple):
     axis: int
 
 
-def _evaluate_tile(jaxpr, consts, args, shape: tuple | None = None) -> list:
+def _evaluate_tile(jaxpr, consts, args, shape: tuple | None = None, known: dict | None = None) -> list:
     """Evaluates a scalar jaxpr on a tile: `args` are scalars, arrays that broadcast against
     each other (a tile's rows [bq, 1], columns [1, bk], scores [bq, bk]) or `Along` vectors;
     the results have the tile's full shape (`shape`, or the broadcast of the arrays).
@@ -740,7 +802,8 @@ def _evaluate_tile(jaxpr, consts, args, shape: tuple | None = None) -> list:
     once per row, not once per score: a [bq, bk] gather would stage its indices and values
     through shared memory. Nested calls (jit, custom_jvp) are evaluated equation by
     equation: Mosaic GPU has no lowering rule for custom_jvp calls (jnp functions built on
-    them), and each select then gets `_bind`'s typed cases.
+    them), and each select then gets `_bind`'s typed cases. `known`: values of the program's
+    variables computed before (`_uniform_values`), whose equations are not evaluated again.
     """
     arrays = [a for a in args if not isinstance(a, (_ConstRef, Along)) and jnp.ndim(a) > 0]
     rank = len(shape) if shape is not None else max(
@@ -760,7 +823,7 @@ def _evaluate_tile(jaxpr, consts, args, shape: tuple | None = None) -> list:
             inputs.append((a, tuple(range(rank))))
     everything = tuple(range(rank))
     tile = tuple(shape) if shape is not None else _span(inputs, everything)
-    outs = _evaluate_batched(jaxpr, [(c, ()) for c in consts], inputs)
+    outs = _evaluate_batched(jaxpr, [(c, ()) for c in consts], inputs, known)
     return [(jnp.broadcast_to(v, tile + jnp.shape(v)) if not axes else _expand(v, axes, everything, tile))
             if rank else v for v, axes in outs]
 
@@ -785,9 +848,11 @@ def _expand(v, axes: tuple, to_axes: tuple, extent: tuple):
     return lax.broadcast_in_dim(v, shape, dims)
 
 
-def _evaluate_batched(jaxpr, consts, args) -> list:
-    """`_evaluate` on (value, axes) pairs (see `_evaluate_tile`)."""
-    env = {}
+def _evaluate_batched(jaxpr, consts, args, known: dict | None = None, *, env_out: bool = False):
+    """`_evaluate` on (value, axes) pairs (see `_evaluate_tile`): the outputs, or with `env_out`
+    every variable's value. An equation with a `_VARYING` operand gives `_VARYING` results
+    (`_uniform_values`); one whose results are all in `known` is not evaluated."""
+    env = dict(known or {})
 
     def read(x):
         return (x.val, ()) if isinstance(x, jex_core.Literal) else env[x]
@@ -795,10 +860,14 @@ def _evaluate_batched(jaxpr, consts, args) -> list:
     for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
         env[var] = value
     for eqn in jaxpr.eqns:
+        if known and all(v in known for v in eqn.outvars):
+            continue
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
         inner = inner_jaxpr(eqn)
-        if inner is not None:  # inline, keeping the batching
+        if any(v is _VARYING for v, _ in ins):
+            outs = [(_VARYING, ())] * len(eqn.outvars)
+        elif inner is not None:  # inline, keeping the batching
             jaxpr_, consts_ = inner
             outs = _evaluate_batched(jaxpr_, [(c, ()) for c in consts_], ins)
         elif not any(axes for _, axes in ins):
@@ -809,7 +878,7 @@ def _evaluate_batched(jaxpr, consts, args) -> list:
             outs = [(o, axes) for o in _vmapped_equation(eqn, ins, axes, has_ref)]
         for var, value in zip(eqn.outvars, outs):
             env[var] = value
-    return [read(x) for x in jaxpr.outvars]
+    return env if env_out else [read(x) for x in jaxpr.outvars]
 
 
 def _vmapped_equation(eqn, ins, axes: tuple, has_ref: bool) -> list:
@@ -846,7 +915,7 @@ REWRITTEN = {
 }
 
 
-# The kernel lowering `Mod.tile` evaluates for while it runs ("triton", "mosaic"), None
+# The kernel lowering a `TileProgram` evaluates for while it runs ("triton", "mosaic"), None
 # elsewhere (XLA: the reference's own semantics).
 _LOWERING = contextvars.ContextVar("flashjax_flex_lowering", default=None)
 

@@ -2,7 +2,7 @@
 XLA does (JAX 0.11.2's Pallas Triton and Mosaic GPU lowerings).
 
 A score_mod / mask_mod is one program for the reference (XLA) and the kernels
-(`flex.Mod.tile`). Where a lowering's own rule gives another value on some inputs (a
+(`flex.Mod.at`). Where a lowering's own rule gives another value on some inputs (a
 division by zero that LLVM leaves undefined, a max that ignores NaN, an approximate tanh),
 `evaluate` gives the operation's results from other operations whose rules agree with
 XLA, so that the kernels never disagree with the reference.

@@ -905,6 +905,56 @@ def test_tile_reads_each_closed_over_value_at_its_own_shape():
     np.testing.assert_array_equal(got, want)
 
 
+READS = ("gather", "dynamic_slice")
+
+
+@pytest.mark.parametrize("program", ["value", "value-and-derivative", "term"])
+@pytest.mark.parametrize("name", ["alibi", "scalar-temperature"])
+def test_at_reads_what_depends_on_the_head_alone_once(rng, name, program):
+    """`Mod.at` evaluates what a mod computes from the batch row, the head and its arrays alone
+    (ALiBi's slopes[h], times the term's factor; a closed-over scalar) once, before the loop
+    over key tiles the kernels run: inside the loop nothing reads an array. The tiles equal the
+    elementwise evaluation."""
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, 4), jnp.float32)
+    temperature = jnp.asarray(0.7, jnp.float32)
+    fn = {"alibi": mods.alibi(slopes),
+          "scalar-temperature": lambda s, b, h, i, j: s * temperature - 0.5 * jnp.abs(i - j).astype(jnp.float32)}[name]
+    mod, consts = flex.trace(fn, flex.SCORE_MOD)
+    if program == "term" and mod.additive_term is None:
+        pytest.skip("not a score plus a term")
+    bq, bk, head, factor = 16, 32, jnp.int32(2), 0.25
+    rows = jnp.arange(bq, dtype=jnp.int32)[:, None] + 40
+    base = jnp.asarray(rng.standard_normal((bq, bk)), jnp.float32)
+
+    def run(consts):
+        at = mod.at(consts, 0, head, grad=program == "value-and-derivative",
+                    term_factor=factor if program == "term" else None)
+
+        def body(j, out):
+            cols = j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+            score = base + j.astype(jnp.float32)  # no read of an array inside the loop but the mod's
+            tile = at.tile(rows, cols, shape=(bq, bk)) if program == "term" else at.tile(score, rows, cols)
+            return out.at[j].set(tile[0] if program == "value-and-derivative" else tile)
+
+        return lax.fori_loop(0, 4, body, jnp.zeros((4, bq, bk), jnp.float32))
+
+    refs = flex.kernel_operands(consts)  # as the kernels receive them (a scalar as [1])
+    jaxpr = jax.make_jaxpr(run)(refs).jaxpr
+    (loop,) = [e for e in jaxpr.eqns if e.primitive.name in ("while", "scan")]
+    inside = [e.primitive.name for e in loop.params["body_jaxpr" if "body_jaxpr" in loop.params else "jaxpr"].jaxpr.eqns]
+    outside = [e.primitive.name for e in jaxpr.eqns]
+    assert not set(inside) & set(READS), inside
+    assert set(outside) & set(READS) or name == "scalar-temperature", outside
+    got = run(refs)
+    cols = jnp.arange(4 * bk, dtype=jnp.int32).reshape(4, 1, bk)
+    if program == "term":
+        want = factor * (flex.elementwise(mod.bind(consts), jnp.zeros((4, bq, bk)), 0, head, rows[None], cols))
+    else:
+        scores = base + jnp.arange(4, dtype=jnp.float32)[:, None, None]
+        want = flex.elementwise(mod.bind(consts), scores, 0, head, rows[None], cols)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_xla_backend_differentiates_closed_over_arrays(rng):
     s = Shape(batch=1, seq_q=20, seq_k=24, heads=2, kv_heads=1)
     x = draw(rng, s, jnp.float32)
@@ -1406,6 +1456,37 @@ def test_mods_on_hopper(case, dtype, rng):
     x = draw(rng, s, dtype, case.q_scale)
     got, want = run_both(x, lambda a: case.options(a, s), case.arrays(rng, s), config=None, backend="mosaic")
     assert_matches(got, want, dtype)
+
+
+PERSISTENT_BLOCK_MASKS = {
+    # (shape, mask_mod, causal): rings that differ from pair to pair and from row to row
+    "prefix-lm": (HOPPER_SELF, lambda b, h, i, j: (j <= i) | (j < 300), False),
+    "causal-documents": (HOPPER_SELF, mods.document_window(_doc_ids(HOPPER_SELF, ((300, 450, 250), (1000,))), 1000),
+                         True),
+    # a band: pairs whose keys start past 0; q_len < kv_len, GQA; some rows' ranges empty
+    "band-cross": (HOPPER_CROSS, lambda b, h, i, j: (jnp.abs(i + 150 * b - j) <= 40) & (i < 280), False),
+}
+
+
+@requires_hopper
+@pytest.mark.parametrize("name", PERSISTENT_BLOCK_MASKS)
+def test_persistent_forward_with_a_block_mask_built_outside_jit(rng, monkeypatch, name):
+    """A block mask built outside jit gives ranges known at trace time: the Hopper forward runs on
+    the persistent grid, its table balanced by them (5 CTAs, so that each walks dozens of items
+    of different rings through one ring), and matches the reference."""
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    s, mask_mod, causal = PERSISTENT_BLOCK_MASKS[name]
+    jax.clear_caches()  # the SM count is no part of a compiled call's cache key
+    monkeypatch.setattr(backends, "sm_count", lambda: 5)
+    grids = []
+    run_forward = mosaic_fwd.forward
+    monkeypatch.setattr(mosaic_fwd, "forward", lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    block_mask = flashjax.block_mask(mask_mod, s.batch, 1, s.seq_q, s.seq_k, block_q=64, block_k=64)
+    x = draw(rng, s, jnp.bfloat16)
+    got, want = run_both(x, lambda a: dict(block_mask=block_mask, causal=causal), config=None, backend="mosaic")
+    assert_matches(got, want, jnp.bfloat16)
+    assert grids and all(ctas == 5 for ctas in grids), grids
 
 
 @pytest.mark.parametrize("backend", ["triton", "xla"])

@@ -502,8 +502,8 @@ def test_dense_head_dim_64(make_inputs, kernel_vjp, reference_vjp, assert_result
 ])
 def test_forward_ctas(monkeypatch, head_dim, v_head_dim, options, persistent):
     """The persistent forward runs where O's own tiles fit shared memory beside the rings and
-    the call has no ranges, on one CTA per SM and never more than one per item; elsewhere
-    one CTA per item."""
+    the call has no ranges or ranges known at trace time, on one CTA per SM and never more
+    than one per item; elsewhere one CTA per item."""
     from flashjax.kernels.mosaic import backend as mosaic_backend
     from flashjax.params import AttentionParams, Extras
 
@@ -530,6 +530,9 @@ def test_forward_ctas(monkeypatch, head_dim, v_head_dim, options, persistent):
     # What the sm_90 lowering's shared-memory check would refuse is not chosen.
     fits = mosaic_backend.persistent_forward_smem_bytes(t, *dims, 2) <= mosaic_backend.SMEM_BYTES
     assert fits == persistent or t.ranges
+    if t.ranges:  # known at trace time (a block mask built outside jit), ranges take the persistent grid
+        monkeypatch.setattr(backends, "sm_count", lambda: 5)
+        assert mosaic_backend.forward_ctas(config, t, (2, q_len, 4), *dims, 2, ranged_items=True) == 5
 
 
 def test_config_overrides_parse_bools_and_none():
@@ -544,20 +547,25 @@ def test_config_overrides_parse_bools_and_none():
         MosaicConfig(fwd_persistent="false")
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("work", ["full", "causal", "ranges"])
 @pytest.mark.parametrize("batch,pairs,heads,ctas", [(2, 64, 16, 132), (3, 5, 4, 7), (1, 1, 2, 2)])
-def test_persistent_schedule(batch, pairs, heads, ctas, causal):
+def test_persistent_schedule(batch, pairs, heads, ctas, work):
     """The persistent forward's table gives every item to exactly one CTA, each CTA's in index
-    order, and balances the key tiles where a round robin would not (causal)."""
+    order, and balances the key tiles where a round robin would not (causal); with ranges
+    known at trace time, by each (pair, batch row)'s own tiles, some of them none."""
     from flashjax.kernels.mosaic.common import Items
 
     items = Items(heads, pairs, batch, ctas)
-    tiles = np.arange(pairs, 0, -1) if causal else np.full(pairs, pairs)  # longest-first positions
-    table = items.table(tiles)
+    if work == "ranges":
+        tiles = np.random.default_rng(pairs).integers(0, 2 * pairs, (pairs, batch))
+    else:  # the same for every batch row, the pairs at their (longest-first) positions
+        per_pair = np.arange(pairs, 0, -1) if work == "causal" else np.full(pairs, pairs)
+        tiles = np.broadcast_to(per_pair[:, None], (pairs, batch))
+    table = items.table(tiles if work == "ranges" else tiles[:, 0])
     runs = [table[c, 1:1 + table[c, 0]] for c in range(ctas)]
     assert sorted(np.concatenate(runs).tolist()) == list(range(items.total))
     assert all(np.all(np.diff(run) > 0) for run in runs)
-    cost = lambda run: sum(tiles[(i // batch) % pairs] + 1 for i in run)
+    cost = lambda run: sum(tiles[(i // batch) % pairs, i % batch] + 1 for i in run)
     longest_item = tiles.max() + 1
     ideal = sum(cost(run) for run in runs) / ctas
     assert max(cost(run) for run in runs) <= ideal + longest_item

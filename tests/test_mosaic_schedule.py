@@ -272,35 +272,65 @@ def test_protocol_finishes_without_races(seq_q, seq_k, causal, window, q_length,
         assert finished, f"deadlock: consumer ranges {consumer_ranges}, ring {ring}"
 
 
-def _walks(t: Tiling, q_len: int, k_len: int, overlap: bool, heads: int, ctas: int):
+def _pairs_at(t: Tiling, pairs: int, k_len: int, ranges=None) -> list:
+    """The pair at each position of the schedule (`common.pair_index`): with ranges and no
+    causal mask, in the order of `common.pair_order` (one batch row)."""
+    order = None
+    if ranges is not None and common.takes_pair_order(t):
+        order = np.asarray(common.pair_order(jnp.asarray(ranges)[None], t.spec, t.block_q, t.block_kv, k_len // t.block_kv))
+    return [int(common.pair_index(pairs, longest_first=t.spec.causal, order=order, index=p)) for p in range(pairs)]
+
+
+def _walks(t: Tiling, q_len: int, k_len: int, overlap: bool, heads: int, ctas: int, ranges=None):
     """The persistent forward's walks: each CTA's [(consumer ranges, ring)] in the order
     `common.Items.table` gives it its items (one batch row; the ranges do not depend on the
     head), the pairs at their positions (`common.pair_index`)."""
-    per_pair = _ctas(t, q_len, k_len, overlap)
+    per_pair = _ctas(t, q_len, k_len, overlap, ranges)
     pairs = len(per_pair)
-    pair_at = [int(common.pair_index(pairs, longest_first=t.spec.causal, index=p)) for p in range(pairs)]
+    pair_at = _pairs_at(t, pairs, k_len, ranges)
     items = common.Items(heads, pairs, 1, ctas)
     table = items.table([per_pair[pair][1][1] - per_pair[pair][1][0] for pair in pair_at])
     return [[per_pair[pair_at[(i // items.batch) % pairs]] for i in table[c, 1:1 + table[c, 0]]] for c in range(ctas)]
 
 
+WALK_CASES = CASES + [
+    pytest.param(700, 200, True, None, None, None, None, id="rows-without-keys"),
+    pytest.param(300, 517, False, None, None, None, None, id="q<k"),
+]
+
+
 @pytest.mark.parametrize("kernel", ["fwd-pingpong", "fwd-overlap"])
-@pytest.mark.parametrize("seq_q,seq_k,causal,window", [
-    pytest.param(1000, 1000, True, None, id="causal"),
-    pytest.param(1000, 1000, True, (129, None), id="causal-window"),
-    pytest.param(1536, 1536, False, (64, 300), id="window-both-sides"),
-    pytest.param(700, 200, True, None, id="rows-without-keys"),
-    pytest.param(300, 517, False, None, id="q<k"),
-])
-def test_persistent_walks_finish_without_races(seq_q, seq_k, causal, window, kernel):
+@pytest.mark.parametrize("seq_q,seq_k,causal,window,q_length,kv_length,documents", WALK_CASES)
+def test_persistent_walks_finish_without_races(seq_q, seq_k, causal, window, q_length, kv_length, documents, kernel):
     """The persistent forward: each CTA walks several items through one ring (the tiles of
-    item n after those of the items before it), every release waiting on its tile."""
-    t, q_len, k_len, _ = _tiling_and_ranges(seq_q, seq_k, causal, window, None, None, None)
+    item n after those of the items before it), every release waiting on its tile; with
+    ranges known at trace time too (lengths, documents, a block mask: items of different
+    rings, some empty)."""
+    t, q_len, k_len, ranges = _tiling_and_ranges(seq_q, seq_k, causal, window, q_length, kv_length, documents)
     overlap = kernel == "fwd-overlap"
-    for walk, seed in itertools.product(_walks(t, q_len, k_len, overlap, heads=3, ctas=4), range(2)):
+    for walk, seed in itertools.product(_walks(t, q_len, k_len, overlap, heads=3, ctas=4, ranges=ranges), range(2)):
         finished = _simulate(None, None, t.stages, pingpong=not overlap, skips_wait=True, lower_waits=True, seed=seed,
                              walk=walk)
         assert finished, f"deadlock: {walk}"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["pingpong", "overlap"])
+@pytest.mark.parametrize("seq_q,seq_k,causal,window,q_length,kv_length,documents", WALK_CASES)
+def test_item_tiles_are_the_rings(seq_q, seq_k, causal, window, q_length, kv_length, documents, overlap):
+    """The persistent table's cost of each item (`fwd.item_tiles`, computed at trace time from
+    ranges that are constants) is the ring its CTA streams, as the kernel derives it."""
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    t, q_len, k_len, ranges = _tiling_and_ranges(seq_q, seq_k, causal, window, q_length, kv_length, documents)
+    per_pair = _ctas(t, q_len, k_len, overlap, ranges)
+    pairs = len(per_pair)
+    order = None
+    if ranges is not None and common.takes_pair_order(t):
+        order = common.pair_order(jnp.asarray(ranges)[None], t.spec, t.block_q, t.block_kv, k_len // t.block_kv)
+    opt = common.OptionalInputs(ranges=None if ranges is None else jnp.asarray(ranges)[None], pair_order=order)
+    got = mosaic_fwd.item_tiles(t, opt, 1, pairs, k_len // t.block_kv, overlap)
+    want = [per_pair[pair][1][1] - per_pair[pair][1][0] for pair in _pairs_at(t, pairs, k_len, ranges)]
+    np.testing.assert_array_equal(got[:, 0], want)
 
 
 def test_persistent_walks_need_the_upper_waits():

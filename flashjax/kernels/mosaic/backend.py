@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flashjax import backends, flex, masks, sides
 from flashjax.kernels import common, extras_grad
@@ -251,12 +252,27 @@ def _kernel_bias(extras: Extras, dtype, q_len: int, k_len: int):
 
 class TileInputs(NamedTuple):
     """A kernel's inputs derived from the call's lengths, segment ids, mask and block mask
-    (`_tile_inputs`); None where the tiling takes none."""
+    (`_tile_inputs`); None where the tiling takes none. `ranged_items`: the forward's
+    `fwd.item_tiles` where `prepare` found the ranges constant."""
 
     ranges: Any = None
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
     pair_order: Any = None
+    ranged_items: "ItemTiles | None" = None
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ItemTiles:
+    """The persistent forward's cost of each item (`fwd.item_tiles`, int [n_pairs][batch]),
+    computed at trace time from constant ranges. A static pytree node: it crosses the
+    custom_vjp in the call's structure, where an array would arrive traced."""
+
+    tiles: tuple
+
+    def array(self) -> np.ndarray:
+        return np.asarray(self.tiles, np.int64)
 
 
 def _optional(extras: Extras, t: Tiling, batch: int, seq_q: int, seq_k: int, q_len: int, k_len: int, dtype, *,
@@ -322,12 +338,25 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     with jax.ensure_compile_time_eval():
         if params.backend == BACKEND.name and isinstance(params.config, MosaicConfig):
             t, q_len, k_len = _forward_tiling(q, k, v, extras, params, params.config)
-            tiles["fwd"] = _tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len)
+            tiles["fwd"] = _ranged_items(_tile_inputs(extras, t, batch, seq_q, seq_k, q_len, k_len), t, batch, q_len,
+                                         k_len, _forward_schedule(params.config, params, t) == "overlap")
         if params.backward_backend == BACKEND.name and isinstance(params.backward_config, MosaicConfig):
             bt = _backward_tilings(q, k, v, extras, params, params.backward_config)
             tiles["dkv"] = _tile_inputs(extras, bt.dkv, batch, seq_q, seq_k, bt.q_len, bt.k_len, by_key_block=True)
             tiles["dq"] = _tile_inputs(extras, bt.dq, batch, seq_q, seq_k, bt.q_len, bt.k_len)
     return extras._replace(tile_inputs=tiles)
+
+
+def _ranged_items(tiles: TileInputs, t: Tiling, batch: int, q_len: int, k_len: int, overlap: bool) -> TileInputs:
+    """The forward's tile inputs, with `ranged_items` where its ranges (and pair order) are
+    constants: a block mask built outside `jit`, lengths given as NumPy arrays. The
+    persistent forward then balances its items by them (`forward_ctas`)."""
+    if tiles.ranges is None or any(isinstance(x, jax.core.Tracer) for x in (tiles.ranges, tiles.pair_order)):
+        return tiles
+    opt = OptionalInputs(ranges=tiles.ranges, pair_order=tiles.pair_order)
+    n_pairs = q_len // (COMPUTE_WGS * t.block_q)
+    items = mosaic_fwd.item_tiles(t, opt, batch, n_pairs, k_len // t.block_kv, overlap)
+    return tiles._replace(ranged_items=ItemTiles(tuple(map(tuple, items.tolist()))))
 
 
 def _drop_padded_rows(o, lse, q_lengths):
@@ -390,13 +419,14 @@ def persistent_forward_smem_bytes(t: Tiling, dim: int, v_dim: int, itemsize: int
 
 
 def forward_ctas(config: MosaicConfig, t: Tiling, shape: tuple[int, int, int], dim: int, v_dim: int,
-                 itemsize: int) -> int | None:
+                 itemsize: int, *, ranged_items: bool = False) -> int | None:
     """The forward's persistent grid (`MosaicConfig.fwd_persistent`): one CTA per SM, at most
     one per item of shape (batch, padded q_len, heads); None for one CTA per item: the config
     asks for it, the output tiles do not fit shared memory beside the rings, or the call has
-    ranges (lengths, documents, a block mask: the items' work is known only on the device,
-    and the per-item grid's hardware scheduling balances it)."""
-    if (not config.fwd_persistent or t.ranges
+    ranges (lengths, documents, a block mask) without `ranged_items` (`TileInputs`: known at
+    trace time, as a block mask built outside `jit` is): the items' work is then known only
+    on the device, and the per-item grid's hardware scheduling balances it."""
+    if (not config.fwd_persistent or (t.ranges and not ranged_items)
             or persistent_forward_smem_bytes(t, dim, v_dim, itemsize) > SMEM_BYTES):
         return None
     batch, q_len, heads = shape
@@ -480,12 +510,16 @@ def forward(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
         k, v = pad(k, k_len, dim), pad(v, k_len, v_dim)
     else:
         assert dim == q.shape[3] == k.shape[3] and v_dim == v_head_dim, "the pages are read in place: no padding"
+    tiles = (extras.tile_inputs or {}).get("fwd")
+    ranged_items = tiles.ranged_items if tiles is not None and t.ranges else None
+    ctas = None
+    if page_table is None:
+        ctas = forward_ctas(config, t, (q.shape[0], q_len, q.shape[2]), dim, v_dim, q.dtype.itemsize,
+                            ranged_items=ranged_items is not None)
     o, lse2 = mosaic_fwd.forward(
         pad(q, q_len, dim), k, v, t, _forward_schedule(config, params, t),
         _optional(extras, t, q.shape[0], seq_q, seq_k, q_len, k_len, q.dtype, kernel="fwd"),
-        ctas=None if page_table is not None else forward_ctas(config, t, (q.shape[0], q_len, q.shape[2]), dim, v_dim,
-                                                              q.dtype.itemsize),
-        page_table=page_table,
+        ctas=ctas, page_table=page_table, ranged_items=None if ctas is None or ranged_items is None else ranged_items.array(),
     )
     return _drop_padded_rows(o[:, :seq_q, :, :v_head_dim], lse2[:, :, :seq_q] * common.LN2, extras.q_lengths)
 

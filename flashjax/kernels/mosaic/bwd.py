@@ -333,7 +333,7 @@ def dkv(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = Optional
                     base = g * per_head - ring_lo  # ring step of query tile i is base + i
                     slope = None if opt.slopes is None else opt.slopes[hk * group + g]
                     stream = None if opt.dropout_seed is None else opt.dropout_stream(t, b, hk * group + g, heads)
-                    mod = opt.mod_inputs(b, hk * group + g)
+                    mod = opt.mod_inputs(t, b, hk * group + g, grad=True)
                     lax.fori_loop(ring_lo, tiles.lo, lambda i, c: skip(base + i, c), None)
                     carry = common.visit(tiles, lambda i, c, masked: step(base + i, i, c, masked, role, slope, stream,
                                                                           mod),
@@ -439,7 +439,7 @@ def dq(q, k, v, do, lse2, delta, t: Tiling, optional: OptionalInputs = OptionalI
         h = lax.axis_index("heads")
         slope = None if opt.slopes is None else opt.slopes[h]
         stream = opt.dropout_stream(t, b, h, heads)
-        mod = opt.mod_inputs(b, h)
+        mod = opt.mod_inputs(t, b, h, grad=True)
 
         def kv_tiles(q_block):
             return opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -198,11 +198,19 @@ class OptionalInputs(NamedTuple):
         stream = jnp.uint32(0) if t.broadcast_dropout else (b * heads + h).astype(jnp.uint32)
         return dropout.stream_base(self.dropout_seed[0], self.dropout_seed[1], stream)
 
-    def mod_inputs(self, b, h) -> "ModInputs | None":
-        """What the user functions read at batch row b and query head h (None without them)."""
+    def mod_inputs(self, t: "Tiling", b, h, *, grad: bool = False) -> "ModInputs | None":
+        """The user functions at batch row b and query head h (`flex.Mod.at`: what they read
+        at (b, h) alone is evaluated here, before the caller's loop over tiles), for
+        `logits(..., grad=grad)` and `mask_tile`; None without them."""
         if self.score_consts is None and self.mask_consts is None:
             return None
-        return ModInputs(b, h, self.score_consts, self.mask_consts)
+        score = mask = None
+        if t.score_mod is not None:
+            term_factor = 1.0 / t.scale if t.additive_mod else None
+            score = t.score_mod.at(self.score_consts, b, h, lowering="mosaic", grad=grad, term_factor=term_factor)
+        if t.mask_mod is not None:
+            mask = t.mask_mod.at(self.mask_consts, b, h, lowering="mosaic")
+        return ModInputs(score, mask)
 
     def bias_plane(self, b, h):
         """The bias ref's [T, T] plane of batch row b and query head h (index 0 along a
@@ -216,13 +224,11 @@ class OptionalInputs(NamedTuple):
 
 
 class ModInputs(NamedTuple):
-    """A tile's arguments of score_mod / mask_mod besides its positions: the batch row, the
-    query head, and the refs of the arrays each function closes over."""
+    """The user functions at one batch row and query head (`flex.TileProgram`s, each None
+    without its function)."""
 
-    batch: object
-    head: object
-    score_consts: tuple | None
-    mask_consts: tuple | None
+    score: Any
+    mask: Any
 
 
 def smem_tiles():
@@ -376,9 +382,10 @@ class Items(NamedTuple):
     def total(self) -> int:
         return self.heads * self.pairs * self.batch
 
-    def table(self, pair_tiles) -> np.ndarray:
+    def table(self, item_tiles) -> np.ndarray:
         """int32 [ctas, 1 + most]: each CTA's count of items, then their indices in the order it
-        runs them. pair_tiles: int [pairs], the key tiles of the pair at each position.
+        runs them. item_tiles: int [pairs, batch] (or [pairs], the same for every batch row),
+        the key tiles of the item at each pair position and batch row.
 
         Each item goes to the CTA that is free first, in index order, as the hardware hands
         out the CTAs of the per-item grid: the heads run one after another (their K/V tiles
@@ -386,7 +393,8 @@ class Items(NamedTuple):
         round robin over the same order would give some CTAs only long pairs (the positions
         repeat with the period of the batch and pair counts): 1.4-1.6x the balanced time
         with a causal mask. An item costs its key tiles plus one for its Q load and output."""
-        return _greedy_table(self, tuple(int(x) + 1 for x in pair_tiles))
+        tiles = np.broadcast_to(np.asarray(item_tiles).reshape(self.pairs, -1), (self.pairs, self.batch))
+        return _greedy_table(self, tuple(int(x) + 1 for x in tiles.reshape(-1)))
 
     def count(self, table):
         """How many items this CTA takes (`table`'s ref)."""
@@ -402,14 +410,14 @@ class Items(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _greedy_table(items: Items, cost: tuple[int, ...]) -> np.ndarray:
-    """`Items.table` for the items' costs by pair position (cached: a call's forward is traced
-    again under grad and remat, and 100k items take a few tenths of a second)."""
+    """`Items.table` for the items' costs by (pair position, batch row), flat (cached: a call's
+    forward is traced again under grad and remat, and 100k items take a few tenths of a second)."""
     free = [(0, cta) for cta in range(items.ctas)]
     assigned = [[] for _ in range(items.ctas)]
     for index in range(items.total):
         busy, cta = heapq.heappop(free)
         assigned[cta].append(index)
-        heapq.heappush(free, (busy + cost[(index // items.batch) % items.pairs], cta))
+        heapq.heappush(free, (busy + cost[index % (items.pairs * items.batch)], cta))
     table = np.zeros((items.ctas, 1 + max(len(a) for a in assigned)), np.int32)
     for cta, indices in enumerate(assigned):
         table[cta, 0] = len(indices)
@@ -543,11 +551,9 @@ def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: 
     if t.additive_mod:
         # Logits in units of q.k: the mod's term over the scale, one FMA per score (none of its
         # derivative: it is 1).
-        s = s + t.score_mod.tile_additive_term(mod.score_consts, 1.0 / t.scale, mod.batch, mod.head, rows, cols,
-                                               shape=s.shape, lowering="mosaic")
+        s = s + mod.score.tile(rows, cols, shape=s.shape)
     elif t.score_mod is not None:
-        out = t.score_mod.tile(mod.score_consts, s * t.scale, mod.batch, mod.head, rows, cols, grad=grad,
-                               shape=s.shape, lowering="mosaic")
+        out = mod.score.tile(s * t.scale, rows, cols, shape=s.shape)
         s, dlogits = out if grad else (out, None)
     if t.softcap is not None:
         # tanh from exp2 (the approximate tanh instruction is off by ~1e-3 relative, which
@@ -627,9 +633,8 @@ def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, 
         if mask_mod.sides:
             uses_row, uses_col = mask_mod.uses_positions[2:]
             values = (flex.Along(q_seg, q_dim) if uses_row else 0, flex.Along(kv_seg, k_dim) if uses_col else 0)
-        allowed = allowed & mask_mod.tile(mod.mask_consts, mod.batch, mod.head,
-                                          *_mod_positions(mask_mod, s.shape, q_start, k_start, transposed), *values,
-                                          shape=s.shape, lowering="mosaic")
+        allowed = allowed & mod.mask.tile(*_mod_positions(mask_mod, s.shape, q_start, k_start, transposed), *values,
+                                          shape=s.shape)
     if q_seg is not None and not (mask_mod is not None and mask_mod.sides):
         allowed = allowed & (lax.broadcast_in_dim(q_seg, s.shape, [q_dim]) == lax.broadcast_in_dim(kv_seg, s.shape, [k_dim]))
     return jnp.where(allowed, s, -jnp.inf)

@@ -79,7 +79,8 @@ class MosaicConfig:
         them, so that an item's first K/V tiles and Q load and its output store overlap the
         neighbouring items' work. Where the output's own shared memory does not fit beside
         the rings (head dims above 128, MLA, head dim 64 with a bias), or the call has
-        ranges (lengths, documents, block masks), the forward keeps one CTA per item
+        ranges (lengths, documents, block masks) known only on the device (a block mask
+        built outside `jit` is known at trace time), the forward keeps one CTA per item
         (`backend.forward_ctas`). On an H100 at head dims 64 and 128 the persistent forward
         measured 1.01-1.19x the per-item grid from 1k to 8k tokens (causal 1.05-1.19x),
         0.96-0.99x at head dim 64 without a mask from 4k (benchmarks/results/mosaic-notes.md).

@@ -256,20 +256,29 @@ def _at_least_one_tile(tiles: BlockRange, n_kv: int) -> BlockRange:
     return BlockRange(lo, tiles.full_lo, tiles.full_hi, jnp.maximum(tiles.hi, lo + 1))
 
 
-def _pair_tiles(t: Tiling, n_pairs: int, n_kv: int, overlap: bool):
-    """int [n_pairs]: the key tiles the producer streams for the pair at each position of the
-    schedule (`common.pair_index`; static without ranges)."""
+def _consumer_tiles(t: Tiling, opt: OptionalInputs, b, q_block, n_kv: int, overlap: bool) -> BlockRange:
+    """The key tiles query tile `q_block` of batch row b visits: in the kernel, and at trace
+    time on arrays of (b, q_block) for the persistent grid's table (`_item_tiles`)."""
+    tiles = opt.tile_range(t.spec.kv_range(q_block, t.block_q, t.block_kv, n_kv), b, q_block)
+    return _at_least_one_tile(tiles, n_kv) if overlap else tiles
+
+
+def item_tiles(t: Tiling, opt: OptionalInputs, batch: int, n_pairs: int, n_kv: int, overlap: bool) -> np.ndarray:
+    """int [n_pairs, batch]: the key tiles the producer streams for the item at each pair
+    position of the schedule (`common.pair_index`) and batch row, at trace time: the
+    persistent grid's cost of each item. `opt`'s ranges and pair order, if any, must be
+    constants (not traced)."""
     with jax.ensure_compile_time_eval():
-        pairs = common.pair_index(n_pairs, longest_first=t.spec.causal, index=jnp.arange(n_pairs, dtype=jnp.int32))
-        tiles = [t.spec.kv_range(COMPUTE_WGS * pairs + wg, t.block_q, t.block_kv, n_kv) for wg in range(COMPUTE_WGS)]
-        if overlap:
-            tiles = [_at_least_one_tile(r, n_kv) for r in tiles]
+        position = jnp.arange(n_pairs, dtype=jnp.int32)[:, None]
+        pairs = common.pair_index(n_pairs, longest_first=t.spec.causal, order=opt.pair_order, index=position)
+        rows = jnp.arange(batch, dtype=jnp.int32)[None, :]
+        tiles = [_consumer_tiles(t, opt, rows, COMPUTE_WGS * pairs + wg, n_kv, overlap) for wg in range(COMPUTE_WGS)]
         lo, hi = common.hull(*tiles)
-        return np.broadcast_to(np.asarray(hi - lo), (n_pairs,))  # a range that ignores the rows is a scalar
+        return np.broadcast_to(np.asarray(hi - lo), (n_pairs, batch))  # a range that ignores the rows is a scalar
 
 
 def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = OptionalInputs(), ctas: int | None = None,
-            page_table=None):
+            page_table=None, ranged_items=None):
     """Runs the forward kernel on padded inputs.
 
     Args:
@@ -285,7 +294,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         bias [Bb, Hb, Tqp, Tkp] (exactly when t.bias), the dropout seed (exactly when
         t.dropout_rate > 0), the arrays score_mod and mask_mod close over (exactly with them).
       ctas: None for one CTA per (head, pair of query tiles, batch row); else a persistent
-        grid of that many CTAs (at most the number of items; not with ranges), each walking
+        grid of that many CTAs (at most the number of items; with ranges, given
+        `ranged_items`), each walking
         its items (`common.Items.table`) with the K/V ring running on across them, the next
         item's Q loaded while this one's output is written, and O stored from its own
         shared memory without waiting (so it must fit beside the rest:
@@ -294,6 +304,8 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         keys are the pages page_table[b] in order, Tkp = pages * page_size; the producer
         reads each key tile's page from it and copies the tile from its page in place.
         Entries must lie in [0, num_pages); with ranges (kv lengths), not persistent.
+      ranged_items: with ranges and `ctas`, their `item_tiles` (computed where the ranges
+        were constants: inside the custom_vjp they are traced).
 
     Returns:
       o [B, Tqp, H, Dv] in q's dtype, and lse2 [B, H, Tqp] float32 in log2 units (-inf for rows without keys;
@@ -317,11 +329,12 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
     stages = max(1, min(t.stages, n_kv))
     persistent = ctas is not None
     if persistent:
-        # The items' key tiles are static: no ranges (lengths, documents, block masks).
-        assert not t.ranges, t
+        # The items' key tiles must be known here, to balance the table.
+        assert (ranged_items is not None) == t.ranges, t
         items = common.Items(heads, n_pairs, batch, ctas)
         assert 0 < ctas <= items.total, (ctas, items)
-        table = items.table(_pair_tiles(t, n_pairs, n_kv, overlap))
+        table = items.table(item_tiles(t, optional, batch, n_pairs, n_kv, overlap) if ranged_items is None
+                            else ranged_items)
 
     def kernel(q_ref, k_ref, v_ref, table_ref, pages_ref, opt: OptionalInputs, o_ref, lse_ref, bias_scratch, scoped):
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), free, schedule_barrier = scoped[:4]
@@ -335,8 +348,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
         take_turn = common.turn(schedule_barrier, not overlap)
 
         def kv_tiles(b, q_block):
-            tiles = opt.tile_range(t.spec.kv_range(q_block, block_q, block_kv, n_kv), b, q_block)
-            return _at_least_one_tile(tiles, n_kv) if overlap else tiles
+            return _consumer_tiles(t, opt, b, q_block, n_kv, overlap)
 
         def ring_range(b, pair):
             """The key tiles the producer streams for a pair: those either consumer needs."""
@@ -378,7 +390,7 @@ def forward(q, k, v, t: Tiling, schedule: str, optional: OptionalInputs = Option
                 qo_smem, q_start, k_smem, v_smem, k_ready, v_ready, free[0], free[1], origin, stages, take_turn, t,
                 t.kv_boundaries(k_len), None if opt.slopes is None else opt.slopes[h], opt.kv_length(b, q_block),
                 q_seg, kv_seg_smem, kv_seg_ready, opt.dropout_stream(t, b, h, heads), bias_smem, bias_ready, wg,
-                opt.mod_inputs(b, h),
+                opt.mod_inputs(t, b, h),
             )
 
             # The ring tiles this query tile does not read: release them in order, with

@@ -3,7 +3,7 @@
 
 One program per (batch x head, query tile, chunk of key tiles) evaluates the traced
 mask_mod on each of its tiles with the attention kernels' own evaluation
-(`flex.Mod.tile`, the closed-over arrays read through refs) and writes one int8 class
+(`flex.Mod.at`, the closed-over arrays read through refs) and writes one int8 class
 per tile: EMPTY, PARTIAL or FULL. Nothing of [q_len, kv_len] is stored; the XLA
 builder (`flex.classify`'s map over tile rows) stages every pair's result through
 memory, which made a 32k block mask cost about 0.6 of a causal forward.
@@ -37,11 +37,12 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
     *const_refs, out_ref = refs
     bh, qi, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch, head = bh // n_heads, bh % n_heads
+    program = mod.at(const_refs, batch, head, lowering="triton")
 
     def one_tile(t, codes):
         # Rows [sub_rows, 1] and columns [1, bk]: mask_mod's values of one side alone (a
         # row's document id read from a closed-over array) load once per row or column
-        # (`flex.Mod.tile`), not once per pair.
+        # (`flex.TileProgram.tile`), not once per pair.
         cols = (chunk * tiles + t) * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         col_valid = cols < kv_len
 
@@ -49,7 +50,7 @@ def _classify_kernel(*refs, mod, n_heads: int, q_len: int, kv_len: int, block_q:
             seen, missed = found
             rows = qi * block_q + r * sub_rows + lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
             valid = (rows < q_len) & col_valid
-            attend = mod.tile(const_refs, batch, head, rows, cols, lowering="triton")
+            attend = program.tile(rows, cols)
             # Reductions over int32: Triton has no boolean any/all.
             seen = jnp.maximum(seen, jnp.max(jnp.where(attend & valid, 1, 0)))
             missed = jnp.maximum(missed, jnp.max(jnp.where(attend | ~valid, 0, 1)))

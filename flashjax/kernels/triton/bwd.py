@@ -108,7 +108,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dk_r
         head = kv_head * group + g
         slope = x.alibi_slopes[head] if x.alibi_slopes is not None else None
         drop_base = scorer.dropout_base(x.dropout_seed, batch, head, heads)
-        mod = scorer.mod_args(x, batch, head)
+        mod = scorer.mod_args(x, batch, head, grad=True)
 
         def step(q_block, carry, masked):
             dk, dv = carry
@@ -157,7 +157,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, dq_re
     q_block, rows, kv_length, q_seg, slope, drop_base = (
         own.q_block, own.rows, own.kv_length, own.q_seg, own.slope, own.drop_base)
     precision = scoring.dot_precision(q_ref.dtype)
-    mod = scorer.mod_args(x, own.batch, own.head)
+    mod = scorer.mod_args(x, own.batch, own.head, grad=True)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
     def step(k_block, dq, masked):
@@ -227,7 +227,7 @@ def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, x: Extras, db
             q_seg=x.q_segment_ids[b, q_tile] if x.q_segment_ids is not None else None,
             kv_seg=x.kv_segment_ids[b, k_tile] if x.kv_segment_ids is not None else None,
             dense=scoring.pair_tile(x.mask, (b, h), q_tile, k_tile) if x.mask is not None else None,
-            drop_base=scorer.dropout_base(x.dropout_seed, b, h, heads), mod=scorer.mod_args(x, b, h),
+            drop_base=scorer.dropout_base(x.dropout_seed, b, h, heads), mod=scorer.mod_args(x, b, h, grad=True),
         )
         if bias_q == 1:
             ds = jnp.sum(ds, axis=0, keepdims=True)

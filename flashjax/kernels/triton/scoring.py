@@ -47,12 +47,11 @@ def pair_tile(ref, lead, q_index, k_index):
 
 
 class ModArgs(NamedTuple):
-    """What a user score_mod / mask_mod reads in a kernel besides the tile's positions."""
+    """The user functions at one batch row and query head in a kernel (`flex.TileProgram`s,
+    each None without its function)."""
 
-    batch: Any
-    head: Any  # the query head
-    score_consts: Any  # refs of the arrays score_mod closes over, or None
-    mask_consts: Any
+    score: Any
+    mask: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,28 +70,39 @@ class Scorer:
     score_mod: Any = None  # flex.Mod
     mask_mod: Any = None
 
-    def mod_args(self, x, batch, head) -> ModArgs | None:
-        """The user functions' arguments of one (batch, head) in a kernel with optional inputs `x`."""
+    @property
+    def additive_mod(self) -> bool:
+        """Whether the score_mod's term enters the logits as a bias does (`flex.Mod.additive_term`)."""
+        return self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None
+
+    def mod_args(self, x, batch, head, *, grad: bool = False) -> ModArgs | None:
+        """The user functions at one (batch, head) in a kernel with optional inputs `x`, for
+        `logits(..., grad=grad)` and `mask` (`flex.Mod.at`: what they read at (batch, head)
+        alone is evaluated here, before the caller's loop over tiles)."""
         if self.score_mod is None and self.mask_mod is None:
             return None
-        return ModArgs(batch, head, x.score_consts, x.mask_consts)
+        score = mask = None
+        if self.score_mod is not None:
+            score = self.score_mod.at(x.score_consts, batch, head, lowering="triton", grad=grad,
+                                      term_factor=LOG2E if self.additive_mod else None)
+        if self.mask_mod is not None:
+            mask = self.mask_mod.at(x.mask_consts, batch, head, lowering="triton")
+        return ModArgs(score, mask)
 
     def logits(self, qk, rows, cols, *, bias=None, slope=None, mod: ModArgs | None = None, grad: bool = False):
         """Returns (s2, chain): base-2 logits, and what `logit_grad` needs: tanh(.) of the softcap
         and, with `grad`, score_mod's derivative in the score (each None when absent)."""
         mod_slope = None
-        if self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None:
+        if self.additive_mod:
             # An additive mod's term enters the base-2 logits as a bias does: one multiply-add
             # per score, and no derivative (it is 1).
             t = None
-            s = qk * (self.scale * LOG2E) + self.score_mod.tile_additive_term(
-                mod.score_consts, LOG2E, mod.batch, mod.head, rows, cols, shape=qk.shape, lowering="triton")
+            s = qk * (self.scale * LOG2E) + mod.score.tile(rows, cols, shape=qk.shape)
         elif self.score_mod is not None:
-            args = (qk * self.scale, mod.batch, mod.head, rows, cols)
             if grad:
-                score, mod_slope = self.score_mod.tile(mod.score_consts, *args, grad=True, lowering="triton")
+                score, mod_slope = mod.score.tile(qk * self.scale, rows, cols)
             else:
-                score = self.score_mod.tile(mod.score_consts, *args, lowering="triton")
+                score = mod.score.tile(qk * self.scale, rows, cols)
             t = None if self.softcap is None else jnp.tanh(score * (1.0 / self.softcap))
             s = score * LOG2E if t is None else t * (self.softcap * LOG2E)
         elif self.softcap is not None:
@@ -120,8 +130,7 @@ class Scorer:
         if dense is not None:
             allowed = allowed & (dense != 0)
         if self.mask_mod is not None:
-            allowed = allowed & self.mask_mod.tile(mod.mask_consts, mod.batch, mod.head, rows, cols,
-                                                          lowering="triton")
+            allowed = allowed & mod.mask.tile(rows, cols)
         return jnp.where(allowed, s, -jnp.inf)
 
     def logit_grad(self, ds, chain):
