@@ -6,8 +6,9 @@ Mosaic GPU on Hopper), and tests/test_gpu.py adds realistic bf16 sizes. Tests th
 only make sense on the CPU (multi-host-device rings, notebooks, the CLI) are left out.
 The groups fit one 10-minute device call each on an H100 with 8 workers. The
 ``multigpu`` group runs the ring and batch/head sharding over every visible GPU (skipped
-with fewer than 2): give it ``-n 1``, each of its tests uses all the GPUs (the ring's
-took ~4 minutes on 4 H100s).
+with fewer than 2): give it ``-n 1``, each of its tests uses all the GPUs, and split it
+over two calls, ``-k ring`` and ``-k "not ring"`` (the ring's tests took ~4 minutes on 4
+H100s and ~3.3 on 2 H200s; the whole group did not finish in 400 s).
 
     python benchmarks/gpu_check.py [--group mosaic|triton|grads|flax|decode|properties|multigpu|all] [-n WORKERS] [extra pytest args]
 
