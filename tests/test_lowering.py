@@ -764,6 +764,31 @@ def test_constant_block_mask_is_folded_at_trace_time(on_hopper, monkeypatch, cau
     assert ctas == (None,) * len(ctas), ctas
 
 
+def test_persistent_table_of_constant_ranges_only_under_jit(on_hopper, monkeypatch):
+    """Constant ranges give the persistent forward's table (a static part of the kernels'
+    call, `ItemTiles`) only where the caller's program is staged: under `jit` a block mask
+    built outside is a constant of that program anyway. Under an eager `jax.grad` (a new
+    mask each step) the ranges stay operands of one cached call: no table, no recompile."""
+    import flashjax
+    from flashjax import api
+
+    seen = []
+
+    def kernels(q, k, v, extras, params):  # records what the kernels' call receives
+        tiles = (extras.tile_inputs or {}).get("fwd")
+        seen.append(None if tiles is None else tiles.ranged_items)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    monkeypatch.setattr(api, "_attention", kernels)
+    q = jnp.ones((2, 512, 4, 128), jnp.bfloat16)
+    block_mask = flashjax.block_mask(lambda b, h, i, j: (j <= i) | (j < 100), 2, 1, 512, 512, block_q=64, block_k=64)
+    loss = lambda q: jnp.sum(flashjax.flash_attention(q, q, q, backend="mosaic", block_mask=block_mask).astype(jnp.float32))
+    jax.grad(loss)(q)
+    assert seen[-1] is None, seen
+    jax.jit(jax.grad(loss)).trace(q)
+    assert seen[-1] is not None and seen[-1].array().shape == (512 // 128, 2), seen  # (pairs, batch rows)
+
+
 WIDE_FIT_CASES = [
     # (q/k head dim, v head dim, kv heads, options): pairs whose dQ ring is fitted to shared
     # memory (`backend._dq_tile`), with the options that add scratch to it. Segment ids at 256

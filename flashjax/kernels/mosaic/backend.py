@@ -349,14 +349,29 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
 
 def _ranged_items(tiles: TileInputs, t: Tiling, batch: int, q_len: int, k_len: int, overlap: bool) -> TileInputs:
     """The forward's tile inputs, with `ranged_items` where its ranges (and pair order) are
-    constants: a block mask built outside `jit`, lengths given as NumPy arrays. The
-    persistent forward then balances its items by them (`forward_ctas`)."""
+    constants of a program being staged (`jit`): a block mask built outside it, segment ids
+    given as NumPy arrays. The persistent forward then balances its items by them
+    (`forward_ctas`). They become part of the kernels' cache key: a new mask recompiles the
+    kernels, as it recompiles the caller's program around them anyway. Outside `jit` (an
+    eager `jax.grad` or `jax.vmap`, a new mask each step) they stay operands of one compiled
+    call, on the per-item grid."""
     if tiles.ranges is None or any(isinstance(x, jax.core.Tracer) for x in (tiles.ranges, tiles.pair_order)):
+        return tiles
+    if not _staged():
         return tiles
     opt = OptionalInputs(ranges=tiles.ranges, pair_order=tiles.pair_order)
     n_pairs = q_len // (COMPUTE_WGS * t.block_q)
     items = mosaic_fwd.item_tiles(t, opt, batch, n_pairs, k_len // t.block_kv, overlap)
     return tiles._replace(ranged_items=ItemTiles(tuple(map(tuple, items.tolist()))))
+
+
+def _staged() -> bool:
+    """Whether the caller's trace is being staged into a program (`jit`, `jax.checkpoint`):
+    JAX 0.11's internal `unsafe_am_i_under_a_jit`; False where it is missing."""
+    from jax._src import core as jax_core
+
+    under_jit = getattr(jax_core, "unsafe_am_i_under_a_jit", None)
+    return bool(under_jit and under_jit())
 
 
 def _drop_padded_rows(o, lse, q_lengths):
