@@ -187,11 +187,13 @@ class Mod:
         else:
             jaxpr, own, lead = self.jaxpr, consts, (_VARYING,) if self.name == SCORE_MOD else ()
         template = (*lead, batch, head, *(_VARYING,) * (len(jaxpr.invars) - len(lead) - 2))
-        token = _LOWERING.set(lowering)
-        try:
-            known = _uniform_values(jaxpr, own, template)
-        finally:
-            _LOWERING.reset(token)
+        known = {}
+        if np.ndim(batch) == 0 and np.ndim(head) == 0:  # (not where they vary over a tile: `tile` takes arrays)
+            token = _LOWERING.set(lowering)
+            try:
+                known = _uniform_values(jaxpr, own, template)
+            finally:
+                _LOWERING.reset(token)
         returns = "pair" if pair else "value_and_none" if grad and term_factor is None else "value"
         return TileProgram(jaxpr, own, template, known, lowering, returns)
 
@@ -860,7 +862,7 @@ def _evaluate_batched(jaxpr, consts, args, known: dict | None = None, *, env_out
     for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
         env[var] = value
     for eqn in jaxpr.eqns:
-        if known and all(v in known for v in eqn.outvars):
+        if known and eqn.outvars and all(v in known for v in eqn.outvars):
             continue
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)

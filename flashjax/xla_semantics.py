@@ -67,7 +67,10 @@ def evaluate(eqn, ins, params, lowering: str) -> list | None:
     * tanh on Mosaic, whose kernels compile with approximate math (tanh.approx, ~1e-3
       relative): `tanh_from_exp2`, as the Hopper kernels' built-in softcap, within ~6e-7
       absolute (a form exact relatively near 0 costs a series per score in the kernels'
-      issue-bound forward: benchmarks/results/mosaic-notes.md).
+      issue-bound forward: benchmarks/results/mosaic-notes.md);
+    * a float divided by a constant: XLA's algebraic simplifier computes x * (1 / c), the
+      reciprocal rounded to the type, where the lowerings divide per element (Mosaic GPU
+      an IEEE division, a dozen instructions): the product here too (`score / cap`).
     """
     prim, dtype = eqn.primitive, np.dtype(eqn.invars[0].aval.dtype)
     floating, integer = jnp.issubdtype(dtype, jnp.floating), jnp.issubdtype(dtype, jnp.integer)
@@ -101,6 +104,10 @@ def evaluate(eqn, ins, params, lowering: str) -> list | None:
         fits = (y < bits) & (y >= 0) if signed else y < bits
         out = prim.bind(x, jnp.where(fits, y, jnp.zeros_like(y)), **params)
         return [jnp.where(fits, out, past())]
+    if prim is lax.div_p and floating and runtime(ins[0]) and not runtime(ins[1]):
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            reciprocal = np.asarray(np.asarray(1, dtype) / np.asarray(ins[1], dtype), dtype)
+        return [ins[0] * reciprocal]
     if prim is lax.convert_element_type_p and params["new_dtype"] == np.bool_ and dtype != np.bool_:
         return [ins[0] != 0]
     if prim is lax.tanh_p and lowering == "mosaic":

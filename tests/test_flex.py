@@ -955,6 +955,28 @@ def test_at_reads_what_depends_on_the_head_alone_once(rng, name, program):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_tile_takes_heads_that_vary_and_keeps_effects(rng):
+    """`Mod.tile` evaluates nothing ahead where the batch row or head varies over the tile (an
+    array of heads: the result is the elementwise evaluation's), and an equation without
+    results (a debug callback) still runs per tile beside what `Mod.at` evaluated ahead."""
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, 4), jnp.float32)
+    mod, consts = flex.trace(mods.alibi(slopes), flex.SCORE_MOD)
+    heads = jnp.arange(4, dtype=jnp.int32)[:, None, None]
+    rows, cols = jnp.arange(8, dtype=jnp.int32)[:, None], jnp.arange(16, dtype=jnp.int32)[None, :]
+    scores = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
+    got = mod.tile(flex.kernel_operands(consts), scores, 0, heads, rows, cols)
+    np.testing.assert_allclose(got, flex.elementwise(mod.bind(consts), scores, 0, heads, rows, cols), rtol=1e-6)
+    calls = []
+
+    def score_mod(s, b, h, i, j):
+        jax.debug.callback(lambda x: calls.append(x), s)
+        return s - slopes[h] * jnp.abs(i - j).astype(jnp.float32)
+
+    mod, consts = flex.trace(score_mod, flex.SCORE_MOD)
+    mod.tile(flex.kernel_operands(consts), scores[0], 0, 2, rows, cols)
+    assert calls, "the callback did not run"
+
+
 def test_xla_backend_differentiates_closed_over_arrays(rng):
     s = Shape(batch=1, seq_q=20, seq_k=24, heads=2, kv_heads=1)
     x = draw(rng, s, jnp.float32)
@@ -1959,6 +1981,27 @@ def test_mod_rewrites_for_the_kernel_lowerings_equal_xla(mask_mod, lowering, req
     # jnp's // and >> keep their own operations in their domain; lax's do not.
     if request.node.callspec.id.removesuffix(f"-{lowering}") in _PAST_THE_DOMAIN:
         assert undefined_somewhere, "the case should reach an operation past its domain"
+
+
+@pytest.mark.parametrize("lowering", ["triton", "mosaic"])
+@pytest.mark.parametrize("divisor", [50.0, 3.0, 0.1, 2.0 ** -130, 0.0, -np.inf])
+def test_float_division_by_a_constant_is_xlas_product(lowering, divisor):
+    """A float divided by a constant in a mod is XLA's x * (1 / c) (its algebraic simplifier's
+    rewrite, the reciprocal rounded to float32) in the kernels too: no division per score, and
+    the values of the product, c = 0, a subnormal c and infinities included."""
+    rows, cols = jnp.arange(64, dtype=jnp.int32)[:, None], jnp.arange(32, dtype=jnp.int32)[None, :]
+    scores = jnp.asarray(np.random.default_rng(0).standard_normal((64, 32)) * 30, jnp.float32).at[0, :3].set(
+        jnp.asarray([0.0, np.inf, np.nan]))
+    with np.errstate(divide="ignore", over="ignore"):
+        reciprocal = np.float32(1) / np.float32(divisor)
+    # The score, and a row's position converted to float (evaluated once per row), divided.
+    for fn, numerator in ((lambda s, b, h, i, j: s / divisor, np.asarray(scores)),
+                          (lambda s, b, h, i, j: i.astype(jnp.float32) / divisor, np.asarray(rows, np.float32))):
+        mod, _ = flex.trace(fn, flex.SCORE_MOD)
+        tile = lambda s: mod.tile((), s, 0, 0, rows, cols, shape=(64, 32), lowering=lowering)
+        assert "div" not in [e.primitive.name for e in jax.make_jaxpr(tile)(scores).jaxpr.eqns]
+        want = np.broadcast_to(numerator * reciprocal, (64, 32))
+        np.testing.assert_array_equal(np.asarray(jax.jit(tile)(scores)), want)
 
 
 def test_softcap_tanh_rewrite_for_mosaic():
