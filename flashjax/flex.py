@@ -18,7 +18,7 @@ The one scalar program is evaluated in two ways:
 
 * in XLA (the reference, the block-mask builder, the gradient of closed-over arrays):
   `elementwise(mod.bind(consts), ...)`, vmapped over index grids;
-* in the kernels: `Mod.at(refs, batch, head)` once per (batch row, head), then its
+* in the kernels: `Mod.at(refs, batch, head)` (`kernel_mods`) once per (batch row, head), then its
   `TileProgram.tile(...)` per tile, vmapped over the tile, reading each closed-over
   array one element per score through its ref (`table[h, bucket]` becomes a pointer load:
   Triton has no gather on values).
@@ -458,6 +458,27 @@ class TileProgram(NamedTuple):
         if self.returns == "pair":
             return tuple(outs)
         return (outs[0], None) if self.returns == "value_and_none" else outs[0]
+
+
+class KernelMods(NamedTuple):
+    """A call's score_mod and mask_mod at one batch row and query head inside a kernel
+    (`TileProgram`s, each None without its function): `kernel_mods`."""
+
+    score: Any
+    mask: Any
+
+
+def kernel_mods(score_mod: Mod | None, score_refs, mask_mod: Mod | None, mask_refs, batch, head, *, lowering: str,
+                grad: bool = False, term_factor: float | None = None) -> KernelMods | None:
+    """`Mod.at` of a kernel's score_mod and mask_mod (either may be None; their closed-over
+    arrays' refs beside them) at (batch, head), for the kernel's loop over tiles; None
+    without either. `grad` and `term_factor` apply to the score_mod."""
+    if score_mod is None and mask_mod is None:
+        return None
+    score = None if score_mod is None else score_mod.at(score_refs, batch, head, lowering=lowering, grad=grad,
+                                                        term_factor=term_factor)
+    mask = None if mask_mod is None else mask_mod.at(mask_refs, batch, head, lowering=lowering)
+    return KernelMods(score, mask)
 
 
 def _uniform_values(jaxpr, consts, args) -> dict:

@@ -79,7 +79,7 @@ def _probs_t(s_t, i, slot, smem, *, k_start, masked: bool, t: Tiling, padded_row
     `slope` is the query head's ALiBi slope, `kv_length` the batch row's kv length (with
     ranges), q_seg / kv_seg the tiles' segment ids (`common.segment_vector`, on masked
     tiles with segments), bias_t the tile's bias, transposed (float32 [block_kv, block_q]),
-    `mod` the query head's `common.ModInputs` (with score_mod or mask_mod), `stream` the
+    `mod` the query head's `flex.KernelMods` (with score_mod or mask_mod), `stream` the
     query head's dropout stream. `padded_rows`: the query arrays extend past the true q_len
     (static)."""
     lse_smem = smem[4]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -198,19 +198,12 @@ class OptionalInputs(NamedTuple):
         stream = jnp.uint32(0) if t.broadcast_dropout else (b * heads + h).astype(jnp.uint32)
         return dropout.stream_base(self.dropout_seed[0], self.dropout_seed[1], stream)
 
-    def mod_inputs(self, t: "Tiling", b, h, *, grad: bool = False) -> "ModInputs | None":
-        """The user functions at batch row b and query head h (`flex.Mod.at`: what they read
-        at (b, h) alone is evaluated here, before the caller's loop over tiles), for
+    def mod_inputs(self, t: "Tiling", b, h, *, grad: bool = False) -> "flex.KernelMods | None":
+        """The user functions at batch row b and query head h (`flex.kernel_mods`: what they
+        read at (b, h) alone is evaluated here, before the caller's loop over tiles), for
         `logits(..., grad=grad)` and `mask_tile`; None without them."""
-        if self.score_consts is None and self.mask_consts is None:
-            return None
-        score = mask = None
-        if t.score_mod is not None:
-            term_factor = 1.0 / t.scale if t.additive_mod else None
-            score = t.score_mod.at(self.score_consts, b, h, lowering="mosaic", grad=grad, term_factor=term_factor)
-        if t.mask_mod is not None:
-            mask = t.mask_mod.at(self.mask_consts, b, h, lowering="mosaic")
-        return ModInputs(score, mask)
+        return flex.kernel_mods(t.score_mod, self.score_consts, t.mask_mod, self.mask_consts, b, h, lowering="mosaic",
+                                grad=grad, term_factor=1.0 / t.scale if t.additive_mod else None)
 
     def bias_plane(self, b, h):
         """The bias ref's [T, T] plane of batch row b and query head h (index 0 along a
@@ -221,14 +214,6 @@ class OptionalInputs(NamedTuple):
     def kv_length(self, b, tile):
         """Batch row b's kv length (None without ranges: the mask spec's seq_k)."""
         return None if self.ranges is None else self.ranges[b, tile, masks.KV_LENGTH]
-
-
-class ModInputs(NamedTuple):
-    """The user functions at one batch row and query head (`flex.TileProgram`s, each None
-    without its function)."""
-
-    score: Any
-    mask: Any
 
 
 def smem_tiles():
@@ -527,7 +512,7 @@ def release_kv(free, *, lo, hi, ring_lo, stages: int, ready=(), each=None, v_sta
 
 
 def logits(s, t: Tiling, *, slope=None, q_start=None, k_start=None, transposed: bool = False, bias=None,
-           mod: ModInputs | None = None, grad: bool = False):
+           mod: flex.KernelMods | None = None, grad: bool = False):
     """The logits of a score tile s = Q K^T (float32, wgmma register layout) for queries
     [q_start, ...) and keys [k_start, ...) (`mask_tile`'s layout), in the units
     `Tiling.exp2_scale` takes.
@@ -606,7 +591,7 @@ def _mod_positions(mod: flex.Mod, shape, q_start, k_start, transposed: bool):
 
 
 def mask_tile(s, spec: MaskSpec, q_start, k_start, *, transposed: bool = False, kv_length=None, q_seg=None,
-              kv_seg=None, mask_mod: flex.Mod | None = None, mod: ModInputs | None = None):
+              kv_seg=None, mask_mod: flex.Mod | None = None, mod: flex.KernelMods | None = None):
     """-inf where a score tile in the wgmma register layout does not attend.
 
     s: float32 [block_q, block_kv] for queries [q_start, ...) and keys [k_start, ...), or

@@ -72,7 +72,7 @@ class _Consumer(NamedTuple):
     bias_smem: object = None  # the ring of bias tiles (both consumers' rows) and its ready barriers, with a bias
     bias_ready: object = None
     wg: object = None  # this consumer's index (its rows of a bias tile)
-    mod: object = None  # the user functions' `common.ModInputs`, with score_mod or mask_mod
+    mod: object = None  # the user functions' `flex.KernelMods`, with score_mod or mask_mod
 
     def slot(self, j):
         return masks.int32_rem(j - self.ring_lo, self.stages)

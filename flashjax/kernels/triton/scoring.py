@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from flashjax import dropout, masks
+from flashjax import dropout, flex, masks
 from flashjax.kernels.common import LOG2E
 from flashjax.masks import BlockRange, MaskSpec
 
@@ -46,14 +46,6 @@ def pair_tile(ref, lead, q_index, k_index):
     return ref[index]
 
 
-class ModArgs(NamedTuple):
-    """The user functions at one batch row and query head in a kernel (`flex.TileProgram`s,
-    each None without its function)."""
-
-    score: Any
-    mask: Any
-
-
 @dataclasses.dataclass(frozen=True)
 class Scorer:
     """Turns a tile of q.k products into base-2 logits, applying every variant.
@@ -75,21 +67,14 @@ class Scorer:
         """Whether the score_mod's term enters the logits as a bias does (`flex.Mod.additive_term`)."""
         return self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None
 
-    def mod_args(self, x, batch, head, *, grad: bool = False) -> ModArgs | None:
+    def mod_args(self, x, batch, head, *, grad: bool = False) -> flex.KernelMods | None:
         """The user functions at one (batch, head) in a kernel with optional inputs `x`, for
-        `logits(..., grad=grad)` and `mask` (`flex.Mod.at`: what they read at (batch, head)
-        alone is evaluated here, before the caller's loop over tiles)."""
-        if self.score_mod is None and self.mask_mod is None:
-            return None
-        score = mask = None
-        if self.score_mod is not None:
-            score = self.score_mod.at(x.score_consts, batch, head, lowering="triton", grad=grad,
-                                      term_factor=LOG2E if self.additive_mod else None)
-        if self.mask_mod is not None:
-            mask = self.mask_mod.at(x.mask_consts, batch, head, lowering="triton")
-        return ModArgs(score, mask)
+        `logits(..., grad=grad)` and `mask` (`flex.kernel_mods`: what they read at (batch,
+        head) alone is evaluated here, before the caller's loop over tiles)."""
+        return flex.kernel_mods(self.score_mod, x.score_consts, self.mask_mod, x.mask_consts, batch, head,
+                                lowering="triton", grad=grad, term_factor=LOG2E if self.additive_mod else None)
 
-    def logits(self, qk, rows, cols, *, bias=None, slope=None, mod: ModArgs | None = None, grad: bool = False):
+    def logits(self, qk, rows, cols, *, bias=None, slope=None, mod: flex.KernelMods | None = None, grad: bool = False):
         """Returns (s2, chain): base-2 logits, and what `logit_grad` needs: tanh(.) of the softcap
         and, with `grad`, score_mod's derivative in the score (each None when absent)."""
         mod_slope = None
@@ -118,7 +103,7 @@ class Scorer:
             s = s - (slope * LOG2E) * distance
         return s, (t, mod_slope)
 
-    def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None, mod: ModArgs | None = None):
+    def mask(self, s, rows, cols, *, kv_length=None, q_seg=None, kv_seg=None, dense=None, mod: flex.KernelMods | None = None):
         """-inf where the pair does not attend (only called on boundary tiles).
 
         rows and cols broadcast against each other ([bq, 1] x [1, bk], or the
