@@ -178,14 +178,13 @@ class Mod:
         consts = tuple(_ConstRef(ref, shape, dtype) for ref, (shape, dtype) in zip(refs, self.const_avals))
         # A closed-over scalar is loaded here too, not where each tile uses it.
         consts = tuple(c if c.shape else c.load() for c in consts)
-        pair = False
         if term_factor is not None:
-            jaxpr, own = self.additive_term
-            lead = (*consts, np.float32(term_factor))
+            (jaxpr, own), lead, returns = self.additive_term, (*consts, np.float32(term_factor)), "value"
         elif grad and not self.additive:
-            (jaxpr, own), lead, pair = self._value_and_slope, (*consts, _VARYING), True
+            (jaxpr, own), lead, returns = self._value_and_slope, (*consts, _VARYING), "pair"
         else:
             jaxpr, own, lead = self.jaxpr, consts, (_VARYING,) if self.name == SCORE_MOD else ()
+            returns = "value_and_none" if grad else "value"
         template = (*lead, batch, head, *(_VARYING,) * (len(jaxpr.invars) - len(lead) - 2))
         known = {}
         if np.ndim(batch) == 0 and np.ndim(head) == 0:  # (not where they vary over a tile: `tile` takes arrays)
@@ -194,7 +193,6 @@ class Mod:
                 known = _uniform_values(jaxpr, own, template)
             finally:
                 _LOWERING.reset(token)
-        returns = "pair" if pair else "value_and_none" if grad and term_factor is None else "value"
         return TileProgram(jaxpr, own, template, known, lowering, returns)
 
     @functools.cached_property
@@ -466,6 +464,12 @@ class KernelMods(NamedTuple):
 
     score: Any
     mask: Any
+
+
+def term_as_bias(score_mod: Mod | None, softcap) -> bool:
+    """Whether a kernel adds score_mod's `additive_term` to its logits as a bias (no softcap
+    after the mod), rather than evaluating the mod on the scaled score."""
+    return score_mod is not None and softcap is None and score_mod.additive_term is not None
 
 
 def kernel_mods(score_mod: Mod | None, score_refs, mask_mod: Mod | None, mask_refs, batch, head, *, lowering: str,

@@ -95,9 +95,9 @@ class Tiling:
 
     @property
     def additive_mod(self) -> bool:
-        """Whether the score_mod enters as a term added to q.k (`flex.Mod.additive_term`, no
+        """Whether the score_mod enters as a term added to q.k (`flex.term_as_bias`, no
         softcap after it), as a bias does, rather than a function of the scaled score."""
-        return self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None
+        return flex.term_as_bias(self.score_mod, self.softcap)
 
     @property
     def scaled_logits(self) -> bool:

@@ -64,8 +64,8 @@ class Scorer:
 
     @property
     def additive_mod(self) -> bool:
-        """Whether the score_mod's term enters the logits as a bias does (`flex.Mod.additive_term`)."""
-        return self.score_mod is not None and self.softcap is None and self.score_mod.additive_term is not None
+        """Whether the score_mod's term enters the logits as a bias does (`flex.term_as_bias`)."""
+        return flex.term_as_bias(self.score_mod, self.softcap)
 
     def mod_args(self, x, batch, head, *, grad: bool = False) -> flex.KernelMods | None:
         """The user functions at one (batch, head) in a kernel with optional inputs `x`, for
