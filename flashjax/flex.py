@@ -126,6 +126,50 @@ class Mod:
         on the column value)."""
         return tuple(_used_inputs(self.jaxpr)[(1 if self.name == SCORE_MOD else 0) + 2:])
 
+    @functools.cached_property
+    def key_bound(self) -> int | None:
+        """The least c for which the program states that this mask_mod lets through only
+        pairs with ``kv_idx <= q_idx + c``; None where it states no such bound.
+
+        Found in the conjuncts of the result (operands of ``&``): comparisons whose two sides
+        are q_idx and kv_idx plus or minus integer literals (``kv_idx <= q_idx``,
+        ``q_idx - kv_idx >= 0``, ``kv_idx < q_idx + 1``), read as integer arithmetic: exact
+        for positions up to `KEY_BOUND_POSITIONS` (2**29), where no value the reading
+        follows (at most two positions and constants below 2**24) wraps around int32. A mask
+        may imply a bound it does not state this way (through a closed-over array, or a
+        disjunction): that one is not found. `flash_attention` adds its built-in causal mask
+        to a call whose mask_mod states a bound within it: the result is the same, and the
+        kernels then skip the upper triangle structurally and order their tiles as for a
+        causal call.
+        """
+        if self.name != MASK_MOD:
+            return None
+        q_idx, kv_idx = self.jaxpr.invars[2:4]
+        affine = {q_idx: ({"q": 1}, 0), kv_idx: ({"kv": 1}, 0)}  # var: ({position: coefficient}, constant)
+        bounds = {}  # bool var: the least c of its conjuncts' kv_idx <= q_idx + c
+        for eqn in self.jaxpr.eqns:
+            name, ins = eqn.primitive.name, [_affine_operand(x, affine) for x in eqn.invars]
+            if name in ("add", "sub") and None not in ins:
+                (left, a), (right, b) = ins
+                sign = 1 if name == "add" else -1
+                terms = {p: left.get(p, 0) + sign * right.get(p, 0) for p in {*left, *right}}
+                if sum(map(abs, terms.values())) <= 2 and abs(a + sign * b) < 2 ** 24:
+                    affine[eqn.outvars[0]] = ({p: c for p, c in terms.items() if c}, a + sign * b)
+            elif name == "neg" and None not in ins:
+                affine[eqn.outvars[0]] = ({p: -c for p, c in ins[0][0].items()}, -ins[0][1])
+            elif name in ("le", "lt", "ge", "gt") and None not in ins:
+                (left, a), (right, b) = ins if name in ("le", "lt") else ins[::-1]
+                # left <= right (or <): right - left = q_idx - kv_idx + d >= 0 (or >= 1).
+                terms = {p: right.get(p, 0) - left.get(p, 0) for p in {*left, *right}}
+                if {p: c for p, c in terms.items() if c} == {"q": 1, "kv": -1}:
+                    bounds[eqn.outvars[0]] = (b - a) - (1 if name in ("lt", "gt") else 0)
+            elif name == "and" and eqn.outvars[0].aval.dtype == np.bool_:
+                found = [bounds[x] for x in eqn.invars if isinstance(x, jex_core.Var) and x in bounds]
+                if found:
+                    bounds[eqn.outvars[0]] = min(found)
+        out = self.jaxpr.outvars[0]
+        return bounds.get(out) if isinstance(out, jex_core.Var) else None
+
     def bind(self, consts) -> Callable:
         """The scalar function with the closed-over arrays `consts` (values) put back: for XLA."""
         return lambda *args: _evaluate(self.jaxpr, tuple(consts), args)[0]
@@ -725,6 +769,22 @@ def _dependents(jaxpr, seeds) -> set:
         if any(isinstance(x, jex_core.Var) and x in found for x in eqn.invars):
             found.update(eqn.outvars)
     return found
+
+
+# Positions up to which `Mod.key_bound`'s reading of a mask is exact.
+KEY_BOUND_POSITIONS = 2 ** 29
+
+
+def _affine_operand(x, affine: dict):
+    """An operand of `Mod.key_bound`'s equations as ({position: coefficient}, constant): a
+    variable it has, or an integer literal (below 2**24 in magnitude, so that the positions
+    plus the constants stay far from int32's wrap-around); None otherwise."""
+    if isinstance(x, jex_core.Literal):
+        value = np.asarray(x.val)
+        if value.ndim == 0 and np.issubdtype(value.dtype, np.integer) and abs(int(value)) < 2 ** 24:
+            return {}, int(value)
+        return None
+    return affine.get(x)
 
 
 def _used_inputs(jaxpr) -> list[bool]:

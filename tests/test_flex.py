@@ -675,6 +675,102 @@ def test_block_mask_ranges_skip_and_fill(mask_mod):
         assert skipped > 0 and full > 0, "the case was meant to skip tiles and fill others"
 
 
+KEY_BOUNDS = {
+    # mask_mod: the least c of a stated kv_idx <= q_idx + c (None: none stated)
+    "causal": (mods.causal(), 0),
+    "causal-offset": (mods.causal(-3), -3),
+    "causal-past-the-diagonal": (mods.causal(2), 2),
+    "strict": (lambda b, h, i, j: j < i, -1),
+    "mirrored": (lambda b, h, i, j: i >= j, 0),
+    "strict-mirrored-shifted": (lambda b, h, i, j: i > j + 2, -3),
+    "difference": (lambda b, h, i, j: i - j >= 5, -5),
+    "several-conjuncts": (lambda b, h, i, j: (j <= i) & (j < i - 3) & (b == 0), -4),
+    "chunked": (mods.chunked(64), 0),
+    "document-window": (mods.document_window(jnp.zeros((2, 64), jnp.int32), 16), 0),
+    "anti-causal": (lambda b, h, i, j: j >= i, None),
+    "disjunction": (lambda b, h, i, j: (j <= i) | (j == 0), None),
+    "negation": (lambda b, h, i, j: ~(j > i), None),
+    "scaled": (lambda b, h, i, j: 2 * j <= i, None),
+    "prefix-lm": (mods.prefix_lm(jnp.array([3, 5])), None),
+}
+
+
+@pytest.mark.parametrize("name", KEY_BOUNDS)
+def test_key_bound_of_mask_mods(name):
+    """`Mod.key_bound` finds a bound kv_idx <= q_idx + c that a conjunct of the mask states, and
+    no bound where none is stated (a disjunction, the other direction, a scaled position)."""
+    mask_mod, bound = KEY_BOUNDS[name]
+    assert flex.trace(mask_mod, flex.MASK_MOD)[0].key_bound == bound
+
+
+def _random_mask_mod(rng, depth: int = 3):
+    """A random mask_mod of position comparisons (sides: q_idx, kv_idx, their sums and
+    differences, plus or minus constants), batch / head tests, &, | and ~."""
+
+    def node(level):
+        kind = rng.integers(6 if level < depth else 2)
+        if kind <= 1:
+            op = [jnp.less_equal, jnp.less, jnp.greater_equal, jnp.greater][rng.integers(4)]
+            draws = rng.integers(0, 2**31, 4)  # drawn now: every call builds the same program
+            return lambda b, h, i, j: op(_side(draws[:2], i, j), _side(draws[2:], i, j))
+        if kind == 2:
+            return lambda b, h, i, j: b == 0
+        if kind == 3:
+            inner = node(level + 1)
+            return lambda b, h, i, j: ~inner(b, h, i, j)
+        left, right = node(level + 1), node(level + 1)
+        if kind == 4:
+            return lambda b, h, i, j: left(b, h, i, j) & right(b, h, i, j)
+        return lambda b, h, i, j: left(b, h, i, j) | right(b, h, i, j)
+
+    return node(0)
+
+
+def _side(draws, i, j):
+    """One side of a comparison of `_random_mask_mod`, from two fixed draws."""
+    c = int(draws[0] % 13) - 6
+    return [i, j, i + c, j + c, i - c, j - c, i - j, j - i, i + j, jnp.int32(c)][int(draws[1] % 10)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_key_bound_is_sound_on_random_masks(seed):
+    """Wherever `Mod.key_bound` finds a bound c, every pair the mask lets through has
+    kv_idx <= q_idx + c (random comparisons of positions and constants under &, |, ~)."""
+    rng = np.random.default_rng(seed)
+    found = 0
+    for _ in range(150):
+        mask_mod = _random_mask_mod(rng)
+        bound = flex.trace(mask_mod, flex.MASK_MOD)[0].key_bound
+        if bound is None:
+            continue
+        found += 1
+        b, h = jnp.arange(2)[:, None, None, None], jnp.arange(2)[None, :, None, None]
+        i, j = jnp.arange(40)[None, None, :, None], jnp.arange(40)[None, None, None, :]
+        allowed = np.broadcast_to(np.asarray(mask_mod(b, h, i, j)), (2, 2, 40, 40))
+        qs, ks = np.nonzero(allowed)[2:]
+        assert np.all(ks <= qs + bound), (bound, int(np.max(ks - qs)))
+    assert found >= 5, "the draws were meant to state bounds"
+
+
+@pytest.mark.parametrize("seq_q, seq_k", [(50, 50), (37, 70), (70, 37)], ids=["self", "q<k", "q>k"])
+@pytest.mark.parametrize("name", ["causal", "causal-past-the-diagonal", "strict-mirrored-shifted", "document-window"])
+def test_mask_mod_within_the_causal_mask_runs_as_a_causal_call(name, seq_q, seq_k, rng):
+    """A mask_mod that states kv_idx <= q_idx + c with c within the built-in causal mask's
+    offset (seq_k - seq_q) runs as a causal call (the kernels' causal structure); one whose
+    bound the causal mask would cut does not. Either way o, lse and the gradients equal the
+    reference's with the mask_mod alone, rows without keys included (q > k)."""
+    mask_mod, bound = KEY_BOUNDS[name]
+    if name == "document-window":
+        ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, max(seq_q, seq_k))), axis=1), jnp.int32)
+        mask_mod = mods.document_window(ids[:, :max(seq_q, seq_k)], 16)
+    s = Shape(seq_q=seq_q, seq_k=seq_k, heads=4)
+    x = draw(rng, s, jnp.float32)
+    params = api._prepare(x["q"], x["k"], x["v"], mask_mod=mask_mod)[2]
+    assert params["causal"] == (bound <= seq_k - seq_q)
+    got, want = run_both(x, lambda a: dict(mask_mod=mask_mod))
+    assert_matches(got, want, jnp.float32)
+
+
 def test_block_mask_reused_across_calls_and_layers(rng):
     """A block mask built once (eagerly, or under the same jit) serves several calls: the results
     equal those of a call that builds its own, its mask_mod is used when none is given, a per-head
