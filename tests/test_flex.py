@@ -753,13 +753,15 @@ def test_key_bound_is_sound_on_random_masks(seed):
 
 
 @pytest.mark.parametrize("seq_q, seq_k", [(50, 50), (37, 70), (70, 37)], ids=["self", "q<k", "q>k"])
-@pytest.mark.parametrize("name", ["causal", "causal-past-the-diagonal", "strict-mirrored-shifted", "document-window"])
+@pytest.mark.parametrize("name", ["causal", "causal-past-the-diagonal", "strict-mirrored-shifted", "document-window",
+                                  "bottom-right"])
 def test_mask_mod_within_the_causal_mask_runs_as_a_causal_call(name, seq_q, seq_k, rng):
     """A mask_mod that states kv_idx <= q_idx + c with c within the built-in causal mask's
     offset (seq_k - seq_q) runs as a causal call (the kernels' causal structure); one whose
     bound the causal mask would cut does not. Either way o, lse and the gradients equal the
-    reference's with the mask_mod alone, rows without keys included (q > k)."""
-    mask_mod, bound = KEY_BOUNDS[name]
+    reference's with the mask_mod alone, rows without keys included (q > k: the built-in
+    causal mask itself as a mask_mod, `mods.causal(seq_k - seq_q)`, runs as a causal call)."""
+    mask_mod, bound = KEY_BOUNDS[name] if name in KEY_BOUNDS else (mods.causal(seq_k - seq_q), seq_k - seq_q)
     if name == "document-window":
         ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, max(seq_q, seq_k))), axis=1), jnp.int32)
         mask_mod = mods.document_window(ids[:, :max(seq_q, seq_k)], 16)
@@ -769,6 +771,19 @@ def test_mask_mod_within_the_causal_mask_runs_as_a_causal_call(name, seq_q, seq_
     assert params["causal"] == (bound <= seq_k - seq_q)
     got, want = run_both(x, lambda a: dict(mask_mod=mask_mod))
     assert_matches(got, want, jnp.float32)
+
+
+def test_mask_mod_with_a_key_bound_exports_with_symbolic_lengths():
+    """With a symbolic sequence length (jax.export) the causal structure is not added (the
+    comparison with the length is inconclusive): the call exports as before."""
+    from jax import export
+
+    (t,) = export.symbolic_shape("t")
+    spec = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    fn = jax.jit(lambda q: flashjax.flash_attention(q, q, q, backend="xla", mask_mod=mods.causal()))
+    exported = export.export(fn)(spec)
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 24, 2, 16)), jnp.float32)
+    check_close(exported.call(q), reference.attention(q, q, q, causal=True), jnp.float32, "o")
 
 
 def test_block_mask_reused_across_calls_and_layers(rng):
