@@ -392,7 +392,10 @@ class Mod:
         term times 1 / scale (Hopper), or base-2 logits plus it times log2(e) (Triton), one
         multiply-add per score instead of a multiply of every score before the mod. The factor
         goes into g's last product where one side is the same at every position of a tile (the
-        slope: ``slopes[h] * factor`` once per tile), else multiplies g.
+        slope: ``slopes[h] * factor`` once per tile) and that product is float32 and is g itself
+        (no conversion after it, which would round or overflow the scaled value where the
+        mod rounds g); else it multiplies g converted to float32. A mod that converts the score
+        to a narrower type (``score.astype(bfloat16)``) rounds it: not a term, None.
         """
         if not self.additive:
             return None
@@ -409,10 +412,10 @@ class Mod:
             name, ins = eqn.primitive.name, eqn.invars
             if name in ("add", "sub") and any(x is score for x in ins):
                 at = ins[1] if ins[0] is score else ins[0]
-            elif name == "neg" or (name == "convert_element_type" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
+            elif name == "neg":
                 at = ins[0]
             else:
-                if name == "mul":
+                if name == "mul" and eqn.outvars[0].aval.dtype == np.float32:
                     uniform = [isinstance(x, jex_core.Literal) or x not in varying for x in ins]
                     if uniform.count(True) == 1:
                         scaled_product = (eqn, uniform.index(True))
@@ -431,7 +434,8 @@ class Mod:
                         outs = [ins[1] if ins[0] is zero else ins[0]]
                     elif name == "sub":
                         outs = [zero if ins[1] is zero and ins[0] is zero else ins[0] if ins[1] is zero else -ins[1]]
-                    elif name in ("neg", "convert_element_type", "pvary", "copy", "copy_p"):
+                    elif name in ("neg", "pvary", "copy", "copy_p") or (
+                            name == "convert_element_type" and _exact_float_conversion(eqn.params["new_dtype"])):
                         outs = [zero]
                     else:
                         raise _NotAdditive(name)
@@ -444,7 +448,7 @@ class Mod:
             out = read(jaxpr.outvars[0])
             if out is zero:
                 return jnp.zeros((), jnp.float32)
-            return (out if scaled_product is not None else out * factor).astype(jnp.float32)
+            return out.astype(jnp.float32) if scaled_product is not None else jnp.asarray(out, jnp.float32) * factor
 
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.const_avals]
         try:
@@ -531,7 +535,8 @@ def kernel_mods(score_mod: Mod | None, score_refs, mask_mod: Mod | None, mask_re
 
 def _uniform_values(jaxpr, consts, args) -> dict:
     """{var: (value, ())} of a program's equations that read no `_VARYING` input (directly or
-    through another equation), evaluated (see `_evaluate_tile`)."""
+    through another equation) and have no effects (a callback runs where the program puts
+    it), evaluated (see `_evaluate_tile`)."""
     env = _evaluate_batched(jaxpr, [(c, ()) for c in consts], [(a, ()) for a in args], env_out=True)
     produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
     return {v: value for v, value in env.items() if v in produced and value[0] is not _VARYING}
@@ -771,6 +776,12 @@ def _dependents(jaxpr, seeds) -> set:
     return found
 
 
+def _exact_float_conversion(dtype) -> bool:
+    """Whether converting a float32 score to `dtype` keeps its value (float32 itself, or wider)."""
+    dtype = np.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
+
+
 # Positions up to which `Mod.key_bound`'s reading of a mask is exact.
 KEY_BOUND_POSITIONS = 2 ** 29
 
@@ -938,7 +949,8 @@ def _expand(v, axes: tuple, to_axes: tuple, extent: tuple):
 def _evaluate_batched(jaxpr, consts, args, known: dict | None = None, *, env_out: bool = False):
     """`_evaluate` on (value, axes) pairs (see `_evaluate_tile`): the outputs, or with `env_out`
     every variable's value. An equation with a `_VARYING` operand gives `_VARYING` results
-    (`_uniform_values`); one whose results are all in `known` is not evaluated."""
+    (`_uniform_values`), as does, with `env_out`, one with effects (evaluated where the
+    program puts it); one whose results are all in `known` is not evaluated."""
     env = dict(known or {})
 
     def read(x):
@@ -952,7 +964,7 @@ def _evaluate_batched(jaxpr, consts, args, known: dict | None = None, *, env_out
         ins = [read(x) for x in eqn.invars]
         has_ref = any(isinstance(v, _ConstRef) for v, _ in ins)
         inner = inner_jaxpr(eqn)
-        if any(v is _VARYING for v, _ in ins):
+        if any(v is _VARYING for v, _ in ins) or (env_out and eqn.effects):
             outs = [(_VARYING, ())] * len(eqn.outvars)
         elif inner is not None:  # inline, keeping the batching
             jaxpr_, consts_ = inner

@@ -1859,6 +1859,10 @@ def test_additive_score_mods_skip_the_derivative(score_mod, additive):
     assert mod.additive is additive
 
 
+ONE_PER_HEAD = jnp.ones((4,), jnp.float32)
+SLOPES_BF16 = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.bfloat16)
+
+
 @pytest.mark.parametrize("score_mod, scaled_product", [
     pytest.param(mods.alibi(jnp.asarray([0.5, 0.25])), True, id="alibi"),
     pytest.param(mods.t5_relative_bias(jnp.asarray(np.random.default_rng(0).standard_normal((2, 32)), jnp.float32)),
@@ -1866,6 +1870,11 @@ def test_additive_score_mods_skip_the_derivative(score_mod, additive):
     pytest.param(lambda s, b, h, i, j: s - 0.5 * (i - j).astype(jnp.float32), True, id="minus-literal-times-distance"),
     pytest.param(lambda s, b, h, i, j: 1.0 + s, False, id="constant-plus"),
     pytest.param(lambda s, b, h, i, j: s, False, id="identity"),
+    # terms of other types: the factor multiplies the term converted to float32
+    pytest.param(lambda s, b, h, i, j: s - SLOPES_BF16[h] * jnp.abs(i - j), False, id="alibi-bf16-slopes"),
+    pytest.param(lambda s, b, h, i, j: s + (h * (j % 3)).astype(jnp.float32), False, id="integer-term"),
+    pytest.param(lambda s, b, h, i, j: s - (0.5 * jnp.abs(i - j).astype(jnp.float32) * 37.0).astype(jnp.bfloat16),
+                 False, id="term-rounded-to-bf16"),
 ])
 def test_additive_term(score_mod, scaled_product):
     """An additive score_mod's term program gives factor * (score_mod(s) - s) at random
@@ -1898,11 +1907,40 @@ def test_additive_term(score_mod, scaled_product):
     pytest.param(mods.tanh_softcap(5.0), id="tanh"),
     pytest.param(lambda s, b, h, i, j: (i - j).astype(jnp.float32) - s, id="minus-score"),
     pytest.param(lambda s, b, h, i, j: jnp.where(i > j, s + 1.0, s - 2.0), id="where-of-sums"),
+    pytest.param(lambda s, b, h, i, j: s.astype(jnp.bfloat16).astype(jnp.float32) - 0.1 * (i - j).astype(jnp.float32),
+                 id="score-rounded-to-bf16"),
 ])
 def test_no_additive_term_for_other_mods(score_mod):
-    """Mods that are not the score plus a term have none (the kernels scale the score first)."""
+    """Mods that are not the score plus a term have none (the kernels scale the score first),
+    among them one that rounds the score (its derivative is 1, but the rounding is not a term)."""
     mod, _ = flex.trace(score_mod, flex.SCORE_MOD)
     assert mod.additive_term is None
+
+
+@pytest.mark.parametrize("score_mod, grads", [
+    pytest.param(lambda s, b, h, i, j: s - SLOPES_BF16[h] * jnp.abs(i - j), True, id="alibi-bf16-slopes"),
+    pytest.param(lambda s, b, h, i, j: s + (h * (j % 3)).astype(jnp.float32), True, id="integer-term"),
+    pytest.param(lambda s, b, h, i, j: s - (ONE_PER_HEAD[h] * jnp.abs(i - j).astype(jnp.float32) * 0.37
+                                            ).astype(jnp.bfloat16), True, id="term-rounded-to-bf16"),
+    # terms near float16's largest value (65504): scaled by log2(e) before the conversion
+    # they would overflow to inf and mask every key
+    pytest.param(lambda s, b, h, i, j: s - (ONE_PER_HEAD[h] * (j + 1000).astype(jnp.float32) * 46.0
+                                            ).astype(jnp.float16), True, id="term-near-float16-max"),
+    pytest.param(lambda s, b, h, i, j: s.astype(jnp.bfloat16).astype(jnp.float32) - 0.1 * (i - j).astype(jnp.float32),
+                 False, id="score-rounded-to-bf16"),
+])
+def test_additive_mods_of_other_types_in_the_kernels(score_mod, grads, rng):
+    """Score_mods that add a term of another type (bf16 slopes, an integer, a term rounded to
+    bf16 or float16) or round the score: o and lse equal the reference's, and so do the
+    gradients, except where the mod rounds the score (the reference's backward rounds its
+    cotangent to bf16 there, the kernels take the mod's derivative, 1)."""
+    x = draw(rng, CROSS, jnp.float32)
+    got, want = run_both(x, lambda a: dict(score_mod=score_mod))
+    if grads:
+        assert_matches(got, want, jnp.float32)
+    else:
+        check_close(got.o, want.o, jnp.float32, "o")
+        check_lse(got.lse, want.lse, jnp.float32)
 
 
 # ---- random mods (property tests) ----------------------------------------------------------------
