@@ -150,19 +150,17 @@ class Mod:
         for eqn in self.jaxpr.eqns:
             name, ins = eqn.primitive.name, [_affine_operand(x, affine) for x in eqn.invars]
             if name in ("add", "sub") and None not in ins:
-                (left, a), (right, b) = ins
-                sign = 1 if name == "add" else -1
-                terms = {p: left.get(p, 0) + sign * right.get(p, 0) for p in {*left, *right}}
-                if sum(map(abs, terms.values())) <= 2 and abs(a + sign * b) < 2 ** 24:
-                    affine[eqn.outvars[0]] = ({p: c for p, c in terms.items() if c}, a + sign * b)
+                terms, constant = _affine_sum(*ins, sign=1 if name == "add" else -1)
+                if sum(map(abs, terms.values())) <= 2 and abs(constant) < 2 ** 24:
+                    affine[eqn.outvars[0]] = (terms, constant)
             elif name == "neg" and None not in ins:
-                affine[eqn.outvars[0]] = ({p: -c for p, c in ins[0][0].items()}, -ins[0][1])
+                affine[eqn.outvars[0]] = _affine_sum(({}, 0), ins[0], sign=-1)
             elif name in ("le", "lt", "ge", "gt") and None not in ins:
-                (left, a), (right, b) = ins if name in ("le", "lt") else ins[::-1]
+                left, right = ins if name in ("le", "lt") else ins[::-1]
                 # left <= right (or <): right - left = q_idx - kv_idx + d >= 0 (or >= 1).
-                terms = {p: right.get(p, 0) - left.get(p, 0) for p in {*left, *right}}
-                if {p: c for p, c in terms.items() if c} == {"q": 1, "kv": -1}:
-                    bounds[eqn.outvars[0]] = (b - a) - (1 if name in ("lt", "gt") else 0)
+                terms, d = _affine_sum(right, left, sign=-1)
+                if terms == {"q": 1, "kv": -1}:
+                    bounds[eqn.outvars[0]] = d - (1 if name in ("lt", "gt") else 0)
             elif name == "and" and eqn.outvars[0].aval.dtype == np.bool_:
                 found = [bounds[x] for x in eqn.invars if isinstance(x, jex_core.Var) and x in bounds]
                 if found:
@@ -784,6 +782,13 @@ def _exact_float_conversion(dtype) -> bool:
 
 # Positions up to which `Mod.key_bound`'s reading of a mask is exact.
 KEY_BOUND_POSITIONS = 2 ** 29
+
+
+def _affine_sum(left, right, sign: int):
+    """left + sign * right of two ({position: coefficient}, constant) pairs, without zero terms."""
+    (left_terms, a), (right_terms, b) = left, right
+    terms = {p: left_terms.get(p, 0) + sign * right_terms.get(p, 0) for p in {*left_terms, *right_terms}}
+    return {p: c for p, c in terms.items() if c}, a + sign * b
 
 
 def _affine_operand(x, affine: dict):
