@@ -1928,6 +1928,52 @@ def test_no_additive_term_for_other_mods(score_mod):
     assert mod.additive_term is None
 
 
+SLOPE_MODS = {
+    "tanh-softcap": mods.tanh_softcap(50.0),
+    "tanh-softcap-small-cap": mods.tanh_softcap(0.7),
+    "chain-with-neg": lambda s, b, h, i, j: -(s * 3.0) * 0.5 + 2.0 * -jnp.tanh(s * 0.25),
+    "shared-product": lambda s, b, h, i, j: (lambda u: u * 3.0 + jnp.sin(u))(jnp.tanh(s) * 2.0 * 0.25),
+    "factors-overflowing": lambda s, b, h, i, j: jnp.tanh(s) * 1e30 * 1e30 * 1e-35,
+    "factors-underflowing": lambda s, b, h, i, j: (jnp.exp(s * 0.008) * 1e-30) * 1e-20,
+    "zero-factor": lambda s, b, h, i, j: jnp.sin(s) * 0.0 + s,
+    "positions-and-heads": lambda s, b, h, i, j: jnp.tanh(s * (h + 1).astype(jnp.float32)) * 0.5 * (i - j),
+    "square": lambda s, b, h, i, j: 0.1 * (s * 0.5) ** 2,
+    "atanh": lambda s, b, h, i, j: 4.0 * jnp.arctanh(jnp.tanh(s * 0.125) * 0.5),
+}
+
+
+@pytest.mark.parametrize("name", SLOPE_MODS)
+def test_slope_program_is_the_mods_derivative(name, rng):
+    """The backward kernels' (value, slope) program: the value bit for bit the mod's own, the
+    slope d score_mod / d score as jax.jvp gives it, up to float32 rounding (its constant
+    factors are multiplied first and 1 - t^2 is computed as such); scores up to +-1e4, so
+    past tanh's saturation."""
+    fn = SLOPE_MODS[name]
+    mod, consts = flex.trace(fn, flex.SCORE_MOD)
+    jaxpr, own = mod._value_and_slope
+    scores = np.concatenate([rng.standard_normal(200) * 4, rng.uniform(-1e4, 1e4, 50), [0.0, 1e-30, -1e-30]])
+    scores = jnp.asarray(scores, jnp.float32)
+    heads, q_idx, kv_idx = (jnp.asarray(rng.integers(0, 9, scores.size), jnp.int32) for _ in range(3))
+    program = jax.vmap(lambda *a: jax.core.eval_jaxpr(jaxpr, own, *consts, *a))
+    value, slope = program(scores, jnp.zeros_like(heads), heads, q_idx, kv_idx)
+    own_value = jax.vmap(lambda *a: jax.core.eval_jaxpr(mod.jaxpr, consts, *a)[0])(
+        scores, jnp.zeros_like(heads), heads, q_idx, kv_idx)
+    np.testing.assert_array_equal(value, own_value)
+    want = jax.vmap(lambda s, *index: jax.jvp(lambda s: fn(s, 0, *index), (s,), (jnp.ones_like(s),))[1])(
+        scores, heads, q_idx, kv_idx)
+    np.testing.assert_allclose(slope, want, rtol=3e-6, atol=3e-6 * float(jnp.max(jnp.abs(want))))
+
+
+def test_slope_program_of_the_softcap_mod_is_the_builtins():
+    """`mods.tanh_softcap`'s slope is 1 - t * t (one FMA on the GPU): the chain rule's
+    ``cap * (1 / cap * (1 + t)(1 - t))`` shortened, as the built-in softcap computes it."""
+    mod, _ = flex.trace(mods.tanh_softcap(50.0), flex.SCORE_MOD)
+    jaxpr, _ = mod._value_and_slope
+    slope = flex._dependencies(jaxpr, jaxpr.outvars[1:]) - flex._dependencies(jaxpr, jaxpr.outvars[:1])
+    ops = sorted(eqn.primitive.name for eqn in jaxpr.eqns if any(v in slope for v in eqn.outvars))
+    assert ops == ["mul", "sub"]
+
+
 @pytest.mark.parametrize("score_mod, grads", [
     pytest.param(lambda s, b, h, i, j: s - SLOPES_BF16[h] * jnp.abs(i - j), True, id="alibi-bf16-slopes"),
     pytest.param(lambda s, b, h, i, j: s + (h * (j % 3)).astype(jnp.float32), True, id="integer-term"),
