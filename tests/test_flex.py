@@ -1939,6 +1939,8 @@ SLOPE_MODS = {
     "positions-and-heads": lambda s, b, h, i, j: jnp.tanh(s * (h + 1).astype(jnp.float32)) * 0.5 * (i - j),
     "square": lambda s, b, h, i, j: 0.1 * (s * 0.5) ** 2,
     "atanh": lambda s, b, h, i, j: 4.0 * jnp.arctanh(jnp.tanh(s * 0.125) * 0.5),
+    "bf16-tanh": lambda s, b, h, i, j: jnp.tanh(s.astype(jnp.bfloat16) * 0.5).astype(jnp.float32) * 3.0,
+    "with-a-debug-callback": lambda s, b, h, i, j: jax.debug.callback(lambda *a: None, s) or jnp.tanh(s * 0.5) * 2.0,
 }
 
 
