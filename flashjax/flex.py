@@ -1395,7 +1395,16 @@ def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, 
     if not exact:
         from flashjax import intervals  # it reads this module's evaluation helpers
 
-        codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
+        # A mask_mod of constants alone (none of its arrays traced: `mods.causal()`, a window,
+        # documents closed over as concrete ids) at concrete lengths (not jax.export's
+        # symbolic ones) has a constant block mask: computed here, when the call is traced, so
+        # that the kernels' tile ranges and order are constants too (the Hopper forward then
+        # runs its persistent grid) and the compiled call computes nothing for them. Its
+        # interval evaluation is a few array operations per tile pair.
+        constant = (not any(isinstance(c, jax.core.Tracer) for c in consts)
+                    and all(isinstance(n, (int, np.integer)) for n in (batch, heads, q_len, kv_len)))
+        with jax.ensure_compile_time_eval() if constant else contextlib.nullcontext():
+            codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
         if codes is not None:
             return codes
     if KERNEL_BUILDER and jax.default_backend() == "gpu" and not mod.unreadable_arrays:

@@ -754,6 +754,7 @@ def test_constant_block_mask_is_folded_at_trace_time(on_hopper, monkeypatch, mas
 
     def ops(fn, *args):
         grids.clear()
+        jax.clear_caches()  # the kernels' inner jit, traced by an earlier test, would not call `forward`
         text = jax.jit(jax.grad(fn)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count(MOSAIC_CALL) == 3
         names = re.findall(r"stablehlo\.(\w+)", text)
@@ -770,6 +771,48 @@ def test_constant_block_mask_is_folded_at_trace_time(on_hopper, monkeypatch, mas
                        q, ids)
     assert (traced["sort"] == 0) == causal and traced["reduce"] > 1, traced
     assert ctas == (None,) * len(ctas), ctas
+
+
+@pytest.mark.parametrize("mask_mod, causal, of_ids", [
+    (lambda ids: lambda b, h, i, j: (j <= i) & (i - j <= 100), True, False),
+    (lambda ids: mods.chunked(256), True, False),
+    (_bidirectional_documents, False, True),
+    (lambda ids: mods.document_window(ids, 100), True, True),
+], ids=["window", "chunked", "documents", "causal-documents"])
+def test_mask_mod_of_constants_has_a_constant_block_mask(on_hopper, monkeypatch, mask_mod, causal, of_ids):
+    """A mask_mod given as such (no `block_mask`), closing over no traced array, has its block
+    mask built when the call is traced: the compiled program computes nothing around the
+    kernels (no reduction, sort or gather of tile classes) and the forward runs on the
+    persistent grid. The same mask_mod closing over traced ids builds it in the program."""
+    import flashjax
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    grids = []
+    run_forward = mosaic_fwd.forward
+    monkeypatch.setattr(mosaic_fwd, "forward",
+                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
+
+    def ops(fn, *args):
+        grids.clear()
+        jax.clear_caches()  # the kernels' inner jit, traced by an earlier test, would not call `forward`
+        text = jax.jit(jax.grad(fn)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(MOSAIC_CALL) == 3
+        names = re.findall(r"stablehlo\.(\w+)", text)
+        return {name: names.count(name) for name in ("sort", "reduce", "gather")}, tuple(grids)
+
+    def loss(q, ids):
+        o = flashjax.flash_attention(q, q, q, backend="mosaic", mask_mod=mask_mod(ids))
+        return jnp.sum(o.astype(jnp.float32))
+
+    folded, ctas = ops(lambda q: loss(q, ids), q)
+    assert folded == {"sort": 0, "reduce": 0, "gather": 0}, folded
+    assert ctas and all(c is not None for c in ctas), ctas
+    if of_ids:  # the same mask_mod of traced ids
+        traced, ctas = ops(loss, q, ids)
+        assert traced["reduce"] > 1 and (traced["sort"] == 0) == causal, traced
+        assert ctas == (None,) * len(ctas), ctas
 
 
 def test_persistent_table_of_constant_ranges_only_under_jit(on_hopper, monkeypatch):
