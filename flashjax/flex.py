@@ -808,11 +808,8 @@ def _affine_operand(x, affine: dict):
 
 
 def _used_inputs(jaxpr) -> list[bool]:
-    """Which invars of a jaxpr its outputs depend on (a backward walk over the equations)."""
-    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars) or eqn.effects:
-            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+    """Which invars of a jaxpr its outputs (or its effects) depend on."""
+    live = _dependencies(jaxpr, jaxpr.outvars, effects=True)
     return [v in live for v in jaxpr.invars]
 
 
@@ -970,11 +967,12 @@ def _evaluate_slope(jaxpr, consts, args) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _dependencies(jaxpr, outvars) -> set:
-    """The variables of a jaxpr that `outvars` depend on (a backward walk over the equations)."""
+def _dependencies(jaxpr, outvars, effects: bool = False) -> set:
+    """The variables of a jaxpr that `outvars` (and with `effects` the equations with effects)
+    depend on: a backward walk over the equations."""
     live = {v for v in outvars if isinstance(v, jex_core.Var)}
     for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
+        if any(v in live for v in eqn.outvars) or (effects and eqn.effects):
             live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
     return live
 

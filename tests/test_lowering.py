@@ -729,28 +729,37 @@ def _bidirectional_documents(ids):
     return lambda b, h, i, j: ids[b, i] == ids[b, j]
 
 
-@pytest.mark.parametrize("mask, causal", [
-    (_bidirectional_documents, False),
-    (lambda ids: mods.document_window(ids, 100), True),
-], ids=["documents", "causal-documents"])
-def test_constant_block_mask_is_folded_at_trace_time(on_hopper, monkeypatch, mask, causal):
-    """A block mask built outside jit (and a mask_mod's closed-over ids) are constants of the
-    caller's trace: the Hopper kernels' tile ranges and pair order are computed from them
-    once, when the call is traced, the compiled program computes nothing around the
-    kernels, and the forward runs on the persistent grid (its table balanced by the known
-    ranges). Built inside jit from traced ids, the same call computes them in the program
-    (with the pair order's sort where the call is not causal: a document window is, through
-    its mask_mod's `key_bound`), and the forward keeps one CTA per item."""
+FOLDED_MASKS = {  # (mask_mod of the document ids, causal (structurally), whether it reads the ids)
+    "window": (lambda ids: lambda b, h, i, j: (j <= i) & (i - j <= 100), True, False),
+    "chunked": (lambda ids: mods.chunked(256), True, False),
+    "documents": (_bidirectional_documents, False, True),
+    "causal-documents": (lambda ids: mods.document_window(ids, 100), True, True),
+}
+
+
+@pytest.mark.parametrize("via", ["block_mask", "mask_mod"])
+@pytest.mark.parametrize("name", FOLDED_MASKS)
+def test_constant_masks_are_folded_at_trace_time(on_hopper, monkeypatch, name, via):
+    """A block mask built outside jit, and a mask_mod passed as such that closes over no traced
+    array (its block mask built when the call is traced), are constants of the caller's
+    trace: the Hopper kernels' tile ranges and pair order are computed from them once, the
+    compiled program computes nothing around the kernels (no reduction, sort or gather of
+    tile classes), and the forward runs on the persistent grid (its table balanced by the
+    known ranges). Built inside jit from traced ids, the same call computes them in the
+    program (with the pair order's sort where the call is not causal: a document window is,
+    through its mask_mod's `key_bound`), and the forward keeps one CTA per item."""
     import flashjax
     from flashjax.kernels.mosaic import fwd as mosaic_fwd
 
+    mask, causal, of_ids = FOLDED_MASKS[name]
     grids = []
     run_forward = mosaic_fwd.forward
     monkeypatch.setattr(mosaic_fwd, "forward",
                         lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
     q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
-    block_mask = flashjax.block_mask(mask(ids), 2, 1, 1024, 1024, block_q=64, block_k=64)
+    build = lambda ids: flashjax.block_mask(mask(ids), 2, 1, 1024, 1024, block_q=64, block_k=64)
+    prebuilt = build(ids)
 
     def ops(fn, *args):
         grids.clear()
@@ -760,58 +769,18 @@ def test_constant_block_mask_is_folded_at_trace_time(on_hopper, monkeypatch, mas
         names = re.findall(r"stablehlo\.(\w+)", text)
         return {name: names.count(name) for name in ("sort", "reduce", "gather")}, tuple(grids)
 
-    def loss(q, block_mask):
-        o = flashjax.flash_attention(q, q, q, backend="mosaic", block_mask=block_mask)
+    def loss(q, ids, block_mask=None):
+        mask_given = dict(block_mask=block_mask if block_mask is not None else build(ids)) if via == "block_mask" \
+            else dict(mask_mod=mask(ids))
+        o = flashjax.flash_attention(q, q, q, backend="mosaic", **mask_given)
         return jnp.sum(o.astype(jnp.float32))
 
-    folded, ctas = ops(lambda q: loss(q, block_mask), q)
+    folded, ctas = ops(lambda q: loss(q, ids, prebuilt), q)
     assert folded == {"sort": 0, "reduce": 0, "gather": 0}, folded
     assert ctas and all(c is not None for c in ctas), ctas
-    traced, ctas = ops(lambda q, ids: loss(q, flashjax.block_mask(mask(ids), 2, 1, 1024, 1024, block_q=64, block_k=64)),
-                       q, ids)
-    assert (traced["sort"] == 0) == causal and traced["reduce"] > 1, traced
-    assert ctas == (None,) * len(ctas), ctas
-
-
-@pytest.mark.parametrize("mask_mod, causal, of_ids", [
-    (lambda ids: lambda b, h, i, j: (j <= i) & (i - j <= 100), True, False),
-    (lambda ids: mods.chunked(256), True, False),
-    (_bidirectional_documents, False, True),
-    (lambda ids: mods.document_window(ids, 100), True, True),
-], ids=["window", "chunked", "documents", "causal-documents"])
-def test_mask_mod_of_constants_has_a_constant_block_mask(on_hopper, monkeypatch, mask_mod, causal, of_ids):
-    """A mask_mod given as such (no `block_mask`), closing over no traced array, has its block
-    mask built when the call is traced: the compiled program computes nothing around the
-    kernels (no reduction, sort or gather of tile classes) and the forward runs on the
-    persistent grid. The same mask_mod closing over traced ids builds it in the program."""
-    import flashjax
-    from flashjax.kernels.mosaic import fwd as mosaic_fwd
-
-    grids = []
-    run_forward = mosaic_fwd.forward
-    monkeypatch.setattr(mosaic_fwd, "forward",
-                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
-    q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
-    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
-
-    def ops(fn, *args):
-        grids.clear()
-        jax.clear_caches()  # the kernels' inner jit, traced by an earlier test, would not call `forward`
-        text = jax.jit(jax.grad(fn)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count(MOSAIC_CALL) == 3
-        names = re.findall(r"stablehlo\.(\w+)", text)
-        return {name: names.count(name) for name in ("sort", "reduce", "gather")}, tuple(grids)
-
-    def loss(q, ids):
-        o = flashjax.flash_attention(q, q, q, backend="mosaic", mask_mod=mask_mod(ids))
-        return jnp.sum(o.astype(jnp.float32))
-
-    folded, ctas = ops(lambda q: loss(q, ids), q)
-    assert folded == {"sort": 0, "reduce": 0, "gather": 0}, folded
-    assert ctas and all(c is not None for c in ctas), ctas
-    if of_ids:  # the same mask_mod of traced ids
+    if of_ids:
         traced, ctas = ops(loss, q, ids)
-        assert traced["reduce"] > 1 and (traced["sort"] == 0) == causal, traced
+        assert (traced["sort"] == 0) == causal and traced["reduce"] > 1, traced
         assert ctas == (None,) * len(ctas), ctas
 
 
