@@ -1362,14 +1362,22 @@ def block_mask(mask_mod, batch: int, heads: int, q_len: int, kv_len: int, *, blo
     return BlockMask(blocks, mask_mod, int(q_len), int(kv_len), int(block_q), int(block_k))
 
 
-def with_block_mask(extras, mask_mod: Mod | None, q_shape, kv_len: int, block_q: int, block_k: int):
+def with_block_mask(extras, mask_mod: Mod | None, q_shape, kv_len: int, block_q: int, block_k: int, *,
+                    at_trace_time: bool = False):
     """`extras` (a `params.Extras`) with the block mask of the call's mask_mod at tiles of
     block_q x block_k (the finest of a backend's kernels: each re-tiles it exactly with
-    `tile_flags`); unchanged without a mask_mod or with a block mask already."""
+    `tile_flags`); unchanged without a mask_mod or with a block mask already.
+
+    at_trace_time: for a backend that computes its tile inputs from the block mask when the
+    call is traced (the Hopper kernels' `prepare`): a constant block mask is built then too
+    (`classify`). Elsewhere it stays in the program: XLA ops that read a large constant
+    block mask would be folded by XLA's compiler, slowly (seconds at 16k tokens).
+    """
     if mask_mod is None or extras.block_mask is not None:
         return extras
     batch, seq_q, heads = q_shape[:3]
-    blocks = classify(mask_mod, extras.mask_consts, batch, heads, seq_q, kv_len, block_q, block_k)
+    blocks = classify(mask_mod, extras.mask_consts, batch, heads, seq_q, kv_len, block_q, block_k,
+                      at_trace_time=at_trace_time)
     return extras._replace(block_mask=BlockMask(blocks, None, seq_q, kv_len, block_q, block_k))
 
 
@@ -1382,25 +1390,34 @@ def tile_class(meets, full):
     return EMPTY + meets * ((PARTIAL - EMPTY) + (FULL - PARTIAL) * full)
 
 
+# The most tiles (n_batch * n_heads * n_q * n_k, int8 each) of a block mask `classify` builds
+# when the call is traced: 1 MiB, a 64k x 64k mask at 64 x 64 tiles.
+TRACE_TIME_TILES = 2**20
+
+
 def classify(mod: Mod, consts, batch: int, heads: int, q_len: int, kv_len: int, block_q: int, block_k: int,
-             exact: bool = False):
+             exact: bool = False, at_trace_time: bool = False):
     """The int8 [Bm, Hm, n_q, n_k] classes of `BlockMask.blocks`, for a traced mask_mod and its
     closed-over arrays: on intervals, once per tile pair (`intervals.classify`), unless
     `exact` or the program has no interval rule; then at every pair, by XLA tile row by tile
-    row or (`KERNEL_BUILDER`, on a GPU) by a Triton kernel (`kernels/triton/block_mask.py`)."""
+    row or (`KERNEL_BUILDER`, on a GPU) by a Triton kernel (`kernels/triton/block_mask.py`).
+
+    at_trace_time: where the block mask is a constant (none of the mask_mod's arrays traced:
+    `mods.causal()`, a window, documents closed over as concrete ids; concrete lengths, not
+    jax.export's symbolic ones) and has at most `TRACE_TIME_TILES` tiles, its interval
+    classification is evaluated now, when the call is traced, so that a backend's tile
+    ranges and order computed from it are constants too (the Hopper forward then runs its
+    persistent grid) and the compiled call computes nothing for them.
+    """
     n_batch = batch if mod.uses_batch else 1
     n_heads = heads if mod.uses_head else 1
     if not exact:
         from flashjax import intervals  # it reads this module's evaluation helpers
 
-        # A mask_mod of constants alone (none of its arrays traced: `mods.causal()`, a window,
-        # documents closed over as concrete ids) at concrete lengths (not jax.export's
-        # symbolic ones) has a constant block mask: computed here, when the call is traced, so
-        # that the kernels' tile ranges and order are constants too (the Hopper forward then
-        # runs its persistent grid) and the compiled call computes nothing for them. Its
-        # interval evaluation is a few array operations per tile pair.
-        constant = (not any(isinstance(c, jax.core.Tracer) for c in consts)
-                    and all(isinstance(n, (int, np.integer)) for n in (batch, heads, q_len, kv_len)))
+        sizes = (n_batch, n_heads, q_len, kv_len)
+        constant = (at_trace_time and not any(isinstance(c, jax.core.Tracer) for c in consts)
+                    and all(isinstance(n, (int, np.integer)) for n in sizes)
+                    and n_batch * n_heads * -(-q_len // block_q) * -(-kv_len // block_k) <= TRACE_TIME_TILES)
         with jax.ensure_compile_time_eval() if constant else contextlib.nullcontext():
             codes = intervals.classify(mod.jaxpr, consts, n_batch, n_heads, q_len, kv_len, block_q, block_k)
         if codes is not None:

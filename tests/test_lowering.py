@@ -784,6 +784,27 @@ def test_constant_masks_are_folded_at_trace_time(on_hopper, monkeypatch, name, v
         assert ctas == (None,) * len(ctas), ctas
 
 
+def test_large_constant_masks_stay_in_the_program(on_hopper, monkeypatch):
+    """Past `flex.TRACE_TIME_TILES` tiles a mask_mod's constant block mask is built in the
+    program, as a traced one is (the forward on the per-item grid): its size would burden the
+    program, and any XLA op reading it would be folded by XLA's compiler."""
+    import flashjax
+    from flashjax import flex
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    grids = []
+    run_forward = mosaic_fwd.forward
+    monkeypatch.setattr(mosaic_fwd, "forward",
+                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    monkeypatch.setattr(flex, "TRACE_TIME_TILES", (1024 // 64) ** 2 - 1)
+    q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+    jax.clear_caches()
+    loss = lambda q: jnp.sum(flashjax.flash_attention(q, q, q, backend="mosaic", mask_mod=mods.chunked(256)).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo\.reduce\b", text)
+    assert grids and all(c is None for c in grids), grids
+
+
 def test_persistent_table_of_constant_ranges_only_under_jit(on_hopper, monkeypatch):
     """Constant ranges give the persistent forward's table (a static part of the kernels'
     call, `ItemTiles`) only where the caller's program is staged: under `jit` a block mask

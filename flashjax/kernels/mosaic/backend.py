@@ -331,8 +331,12 @@ def prepare(q, k, v, extras: Extras, params: AttentionParams, config: MosaicConf
     if extras.tile_inputs is not None:
         return extras
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
+    # Built when the call is traced where it is constant and the Hopper kernels take it both
+    # ways (they compute their tile inputs from it then too; another backend's would read it
+    # in XLA ops, which XLA's compiler folds slowly on a large constant).
+    both_ways = all(backend == BACKEND.name for backend in (params.backend, params.backward_backend))
     extras = flex.with_block_mask(extras, params.mask_mod, q.shape, seq_k, min(config.block_q, config.bwd_block_q),
-                                  min(config.block_kv, config.bwd_block_kv, config.dq_block_kv))
+                                  min(config.block_kv, config.bwd_block_kv, config.dq_block_kv), at_trace_time=both_ways)
     tiles = {}
     # Not around the block mask's build: it may run a Pallas kernel, whose body must be traced.
     with jax.ensure_compile_time_eval():
