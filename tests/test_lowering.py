@@ -729,6 +729,17 @@ def _bidirectional_documents(ids):
     return lambda b, h, i, j: ids[b, i] == ids[b, j]
 
 
+def _forward_grids(monkeypatch) -> list:
+    """The `ctas` of each Hopper forward kernel traced from now on (None: the per-item grid)."""
+    from flashjax.kernels.mosaic import fwd as mosaic_fwd
+
+    grids = []
+    run_forward = mosaic_fwd.forward
+    monkeypatch.setattr(mosaic_fwd, "forward",
+                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    return grids
+
+
 FOLDED_MASKS = {  # (mask_mod of the document ids, causal (structurally), whether it reads the ids)
     "window": (lambda ids: lambda b, h, i, j: (j <= i) & (i - j <= 100), True, False),
     "chunked": (lambda ids: mods.chunked(256), True, False),
@@ -749,13 +760,9 @@ def test_constant_masks_are_folded_at_trace_time(on_hopper, monkeypatch, name, v
     program (with the pair order's sort where the call is not causal: a document window is,
     through its mask_mod's `key_bound`), and the forward keeps one CTA per item."""
     import flashjax
-    from flashjax.kernels.mosaic import fwd as mosaic_fwd
 
     mask, causal, of_ids = FOLDED_MASKS[name]
-    grids = []
-    run_forward = mosaic_fwd.forward
-    monkeypatch.setattr(mosaic_fwd, "forward",
-                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    grids = _forward_grids(monkeypatch)
     q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 256)[None].repeat(2, 0)
     build = lambda ids: flashjax.block_mask(mask(ids), 2, 1, 1024, 1024, block_q=64, block_k=64)
@@ -790,12 +797,8 @@ def test_large_constant_masks_stay_in_the_program(on_hopper, monkeypatch):
     program, and any XLA op reading it would be folded by XLA's compiler."""
     import flashjax
     from flashjax import flex
-    from flashjax.kernels.mosaic import fwd as mosaic_fwd
 
-    grids = []
-    run_forward = mosaic_fwd.forward
-    monkeypatch.setattr(mosaic_fwd, "forward",
-                        lambda *a, ctas=None, **kw: grids.append(ctas) or run_forward(*a, ctas=ctas, **kw))
+    grids = _forward_grids(monkeypatch)
     monkeypatch.setattr(flex, "TRACE_TIME_TILES", (1024 // 64) ** 2 - 1)
     q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
     jax.clear_caches()
